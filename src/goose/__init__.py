@@ -1,0 +1,11 @@
+"""goose: lossless, training-free speculative decoding (GOOSE spine trees) for Hugging Face causal LMs."""
+
+from .config import DecodeConfig, GooseConfig
+from .decoding import Decoder, GenerationResult, generate
+from .errors import GooseError
+from .methods import METHODS
+from .model import DEFAULT_MODEL, load_model
+
+__all__ = ["Decoder", "GenerationResult", "generate", "GooseConfig", "DecodeConfig", "GooseError", "METHODS",
+           "DEFAULT_MODEL", "load_model"]
+__version__ = "0.1.0"

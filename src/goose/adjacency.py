@@ -1,0 +1,71 @@
+"""Adjacency table: the model's own remembered top-k successors (the branch source, spec §4).
+
+Two tiers. The unigram tier is a pair of arrays ``[vocab, K]`` (successor ids, scores) plus an
+"observed" flag per token; the bigram tier maps ``(prev, token)`` to its own top-k. Both are refreshed
+from every forward pass ("harvest"): for each processed position with token t and predecessor p, the
+top-k of its logits overwrite row t (the last position wins on duplicates) and set bigram (p, t).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .config import AdjacencyConfig
+
+Successors = tuple[list[int], list[float]]
+
+
+class AdjacencyTable:
+    def __init__(self, vocab_size: int, cfg: AdjacencyConfig = AdjacencyConfig()) -> None:
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        k = cfg.top_k
+        self.ids = np.zeros((vocab_size, k), dtype=np.int64)  # [V, K]
+        self.scores = np.zeros((vocab_size, k), dtype=np.float32)  # [V, K]
+        self.observed = np.zeros(vocab_size, dtype=bool)  # [V]
+        self.bigram: dict[tuple[int, int], Successors] = {}
+
+    def reset(self) -> None:
+        self.observed[:] = False
+        self.bigram.clear()
+
+    def successors(self, token: int, prev: int | None = None) -> Successors | None:
+        """Bigram entry if present, else the unigram row if observed, else None."""
+        if prev is not None and self.cfg.use_bigram:
+            hit = self.bigram.get((prev, token))
+            if hit is not None:
+                return hit
+        if 0 <= token < self.vocab_size and self.observed[token]:
+            return self.ids[token].tolist(), self.scores[token].tolist()
+        return None
+
+    def harvest(self, tokens: Sequence[int], prevs: Sequence[int], logits: torch.Tensor) -> None:
+        """Remember the top-k successors of every processed position.
+
+        tokens[i] is the token at position i, prevs[i] its predecessor (-1 if unknown) and
+        logits[i] (shape ``[n, vocab]``) the model's next-token logits there.
+        """
+        n = len(tokens)
+        if n == 0:
+            return
+        k = self.cfg.top_k
+        values, idx = torch.topk(logits.float(), k, dim=-1)  # [n, K] each
+        ids = idx.numpy()
+        if self.cfg.with_scores:
+            scores = torch.softmax(values, dim=-1).numpy()  # [n, K], over the K kept logits only
+        else:
+            scores = np.full((n, k), 1.0 / k, dtype=np.float32)
+        last = {t: i for i, t in enumerate(tokens)}  # last position wins on duplicate tokens
+        rows = np.fromiter(last.keys(), dtype=np.int64, count=len(last))
+        src = np.fromiter(last.values(), dtype=np.int64, count=len(last))
+        self.ids[rows] = ids[src]
+        self.scores[rows] = scores[src]
+        self.observed[rows] = True
+        if self.cfg.use_bigram:
+            id_rows, score_rows = ids.tolist(), scores.tolist()
+            for i, (p, t) in enumerate(zip(prevs, tokens)):
+                if p >= 0:
+                    self.bigram[(p, t)] = (id_rows[i], score_rows[i])

@@ -1,0 +1,131 @@
+"""Every default of every decoding method lives here, as frozen dataclasses.
+
+The numbers are those of the GOOSE paper's main configuration (spec §3-§5) and of the parent methods
+(spec §9). Nothing else in the package holds a tuning literal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """Context n-gram index (the spine source, spec §3)."""
+
+    ngram_sizes: tuple[int, ...] = (5, 4, 3)  # looked up longest first
+    max_chain: int = 20  # tokens copied after the earliest match
+    max_extended_chain: int = 100  # cap on a chain grown by repeated lookups
+    extend_threshold: float = 0.6  # chains with confidence above this are extended
+
+    def __post_init__(self) -> None:
+        if not self.ngram_sizes or any(n < 1 for n in self.ngram_sizes):
+            raise ValueError(f"ngram_sizes must be positive integers, got {self.ngram_sizes}")
+        if self.max_chain < 1 or self.max_extended_chain < self.max_chain:
+            raise ValueError("need 1 <= max_chain <= max_extended_chain")
+
+
+@dataclass(frozen=True)
+class AdjacencyConfig:
+    """Two-tier adjacency table (the branch source, spec §4)."""
+
+    top_k: int = 10  # successors remembered per token
+    use_bigram: bool = True  # (prev, token) tier, preferred over the unigram row
+    with_scores: bool = True  # softmax over the top-k values; Token Recycling keeps ids only
+    hot_start: bool = False  # keep the table across requests of one decoder (Token Recycling style)
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError("top_k must be >= 1")
+
+
+@dataclass(frozen=True)
+class SpineTreeConfig:
+    """The anisotropic spine tree under a node budget (spec §5)."""
+
+    budget: int = 60  # B, nodes including the root
+    ema_init: float = 0.5
+    ema_rate: float = 0.3  # ema = rate * observed + (1 - rate) * ema
+    ema_tiers: tuple[tuple[float, float], ...] = ((0.2, 0.15), (0.4, 0.30))  # (ema below, base ratio)
+    ema_top_base: float = 0.50
+    spine_branch_share: float = 0.5  # part of the branch budget hung off spine nodes
+    min_score: float = 0.01  # adjacency successors below this are never drafted
+    max_branch_depth: int = 6  # branch nodes this deep are not expanded further
+    bypass_confidence: float = 1.0  # at this confidence the whole budget goes to the spine
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ValueError("budget must be >= 1 (the root)")
+
+
+@dataclass(frozen=True)
+class IsotropicConfig:
+    """The paper's balanced control: every node gets up to `width` children (spec §5)."""
+
+    width: int = 3
+    budget: int = 60
+    min_score: float = 0.01
+    max_depth: int = 6
+
+
+@dataclass(frozen=True)
+class PLDConfig:
+    """Prompt lookup decoding (spec §9), with Hugging Face's option names."""
+
+    prompt_lookup_num_tokens: int = 10
+    max_matching_ngram_size: int = 3  # tries n = max..1
+    min_matching_ngram_size: int = 1
+
+
+def _tr_template() -> tuple[tuple[int, ...], ...]:
+    """Token Recycling's static 80-node, 6-level tree as candidate-rank paths (spec §9)."""
+    levels = [
+        [(i,) for i in range(8)],
+        [(0, j) for j in range(8)] + [(1, j) for j in range(4)] + [(2, j) for j in range(3)]
+        + [(3, 0), (3, 1), (4, 0), (5, 0), (6, 0), (7, 0)],
+        [(0, 0, j) for j in range(8)] + [(0, 1, j) for j in range(3)]
+        + [(0, 2, 0), (0, 2, 1), (0, 3, 0), (0, 4, 0), (0, 5, 0), (0, 6, 0), (0, 7, 0), (1, 0, 0),
+           (1, 0, 1), (1, 1, 0), (2, 0, 0), (3, 0, 0), (4, 0, 0), (5, 0, 0)],
+        [(0, 0, 0, j) for j in range(5)]
+        + [(0, 0, 1, 0), (0, 0, 1, 1), (0, 0, 2, 0), (0, 0, 3, 0), (0, 0, 4, 0), (0, 1, 0, 0),
+           (0, 2, 0, 0), (1, 0, 0, 0), (2, 0, 0, 0), (3, 0, 0, 0)],
+        [(0, 0, 0, 0, 0), (0, 0, 0, 0, 1), (0, 0, 0, 0, 2), (0, 0, 0, 1, 0), (0, 0, 0, 2, 0),
+         (0, 0, 1, 0, 0), (0, 1, 0, 0, 0), (1, 0, 0, 0, 0)],
+        [(0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 1), (0, 0, 0, 1, 0, 0)],
+    ]
+    return tuple(path for level in levels for path in level)
+
+
+@dataclass(frozen=True)
+class TRConfig:
+    """Token Recycling (spec §9): top-8 id matrix, static 80-node template, hot start."""
+
+    top_k: int = 8
+    hot_start: bool = True
+    template: tuple[tuple[int, ...], ...] = field(default_factory=_tr_template)
+
+
+@dataclass(frozen=True)
+class GooseConfig:
+    """Everything the `goose-paper` / `iso*` decoders need; `goose` adds `DeviceAwareConfig`."""
+
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    adjacency: AdjacencyConfig = field(default_factory=AdjacencyConfig)
+    tree: SpineTreeConfig = field(default_factory=SpineTreeConfig)
+
+    def with_budget(self, budget: int) -> "GooseConfig":
+        return replace(self, tree=replace(self.tree, budget=budget))
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Per-request options shared by every method."""
+
+    max_new_tokens: int = 128
+    prefill_chunk: int = 512  # prompt tokens per prefill forward (bounds the logits held at once)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")

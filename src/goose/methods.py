@@ -1,0 +1,168 @@
+"""Decoding methods as (drafter, builder) pairs that all run through the same step loop.
+
+A method keeps its drafting state (n-gram index, adjacency table, EMA) and answers four calls from the
+loop: `begin` (new request), `draft` (the tree to verify this step), `harvest` (logits of every processed
+position) and `commit` (tokens accepted). `observe` sees each verification result.
+"""
+
+from __future__ import annotations
+
+
+
+from .adjacency import AdjacencyTable
+from .baselines import build_chain, build_isotropic_tree, build_tr_tree
+from .config import AdjacencyConfig, GooseConfig, IsotropicConfig, PLDConfig, TRConfig
+from .errors import GooseError
+from .ngram import NgramIndex
+from .spine import build_spine_tree, tree_budget
+from .tree import SPINE, DraftTree
+from .verify import WalkResult
+
+
+class Method:
+    name = "base"
+
+    def begin(self, tokens: list[int]) -> None:
+        """A new request whose committed tokens (prompt + first generated token) are `tokens`."""
+
+    def draft(self, anchor: int, prev: int | None) -> DraftTree:
+        return DraftTree.root(anchor, route="ar")
+
+    def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
+        """Logits ``[n, vocab]`` at positions holding `tokens`, whose predecessors are `prevs`."""
+
+    def observe(self, tree: DraftTree, walk: WalkResult) -> None:
+        pass
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+
+class AR(Method):
+    """One token per forward: the reference every other method must equal."""
+
+    name = "ar"
+
+
+class PLD(Method):
+    """Prompt lookup: a chain copied after the earliest match of the last n tokens (n = 3..1)."""
+
+    name = "pld"
+
+    def __init__(self, cfg: PLDConfig = PLDConfig()) -> None:
+        self.cfg = cfg
+        self.sizes = tuple(range(cfg.max_matching_ngram_size, cfg.min_matching_ngram_size - 1, -1))
+
+    def begin(self, tokens: list[int]) -> None:
+        self.index = NgramIndex(self.sizes, self.cfg.prompt_lookup_num_tokens)
+        self.index.extend(tokens)
+
+    def draft(self, anchor: int, prev: int | None) -> DraftTree:
+        return build_chain(anchor, self.index.propose().chain)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.index.extend(tokens)
+
+
+class _AdjacencyMethod(Method):
+    """Shared harvest / reset logic for methods that keep an adjacency table."""
+
+    def __init__(self, vocab_size: int, adj_cfg: AdjacencyConfig) -> None:
+        self.adj = AdjacencyTable(vocab_size, adj_cfg)
+
+    def begin(self, tokens: list[int]) -> None:
+        if not self.adj.cfg.hot_start:
+            self.adj.reset()
+
+    def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
+        self.adj.harvest(tokens, prevs, logits)
+
+
+class TokenRecycling(_AdjacencyMethod):
+    """Token Recycling: the static 80-node template filled from a top-8 id matrix kept across requests."""
+
+    name = "tr"
+
+    def __init__(self, vocab_size: int, cfg: TRConfig = TRConfig()) -> None:
+        super().__init__(vocab_size, AdjacencyConfig(top_k=cfg.top_k, use_bigram=False, with_scores=False,
+                                                     hot_start=cfg.hot_start))
+        self.cfg = cfg
+
+    def draft(self, anchor: int, prev: int | None) -> DraftTree:
+        return build_tr_tree(anchor, self.adj, self.cfg)
+
+
+class GoosePaper(_AdjacencyMethod):
+    """GOOSE exactly as published: spine tree under a fixed budget, chain route, AR fallback (spec §5)."""
+
+    name = "goose-paper"
+
+    def __init__(self, vocab_size: int, cfg: GooseConfig = GooseConfig()) -> None:
+        super().__init__(vocab_size, cfg.adjacency)
+        self.cfg = cfg
+
+    def begin(self, tokens: list[int]) -> None:
+        super().begin(tokens)
+        self.index = NgramIndex.from_config(self.cfg.ngram)
+        self.index.extend(tokens)
+        self.ema = self.cfg.tree.ema_init
+
+    def commit(self, tokens: list[int]) -> None:
+        self.index.extend(tokens)
+
+    def draft(self, anchor: int, prev: int | None) -> DraftTree:
+        first = self.index.propose()
+        if self.adj.successors(anchor, prev) is None:
+            return build_chain(anchor, first.chain)  # CHAIN route (or AR when there is no chain)
+        c = first.confidence
+        prop = self.index.propose_extended(self.cfg.ngram) if c > self.cfg.ngram.extend_threshold else first
+        return self.build(anchor, prev, prop.chain, c)
+
+    def build(self, anchor: int, prev: int | None, chain: list[int], confidence: float) -> DraftTree:
+        return build_spine_tree(anchor, prev, chain, confidence, self.ema, self.adj, self.cfg)
+
+    def observe(self, tree: DraftTree, walk: WalkResult) -> None:
+        if tree.route != "tree":
+            return
+        n_spine = tree.count(SPINE)
+        if n_spine:
+            rate = sum(1 for i in walk.path if tree.sources[i] == SPINE) / n_spine
+            r = self.cfg.tree.ema_rate
+            self.ema = r * rate + (1 - r) * self.ema
+
+
+class Isotropic(GoosePaper):
+    """The paper's balanced control: same sources and budget, every node up to k children."""
+
+    def __init__(self, vocab_size: int, width: int, cfg: GooseConfig = GooseConfig()) -> None:
+        super().__init__(vocab_size, cfg)
+        self.iso = IsotropicConfig(width=width, budget=cfg.tree.budget, min_score=cfg.tree.min_score,
+                                   max_depth=cfg.tree.max_branch_depth)
+        self.name = f"iso{width}"
+
+    def build(self, anchor: int, prev: int | None, chain: list[int], confidence: float) -> DraftTree:
+        budget = tree_budget(confidence, self.cfg)
+        return build_isotropic_tree(anchor, prev, chain, budget, self.adj, self.iso)
+
+
+METHODS = ("ar", "pld", "tr", "iso3", "iso5", "goose-paper", "goose")
+
+
+def make_method(name: str, vocab_size: int, config: GooseConfig | None = None) -> Method:
+    cfg = config or GooseConfig()
+    if name == "ar":
+        return AR()
+    if name == "pld":
+        return PLD()
+    if name == "tr":
+        return TokenRecycling(vocab_size)
+    if name in ("iso3", "iso5"):
+        return Isotropic(vocab_size, int(name[3:]), cfg)
+    if name in ("goose-paper", "goose"):
+        m = GoosePaper(vocab_size, cfg)
+        m.name = name
+        return m
+    raise GooseError(f"unknown method '{name}'; choose one of: {', '.join(METHODS)}")
+
+
+

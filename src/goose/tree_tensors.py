@@ -1,0 +1,60 @@
+"""Tree attention mask and position ids (pure; cached by tree topology).
+
+For the tree 0 -> 1 -> 2, 0 -> 3 (node 0 = root) verified after a cache of P tokens::
+
+    allowed (tree part)   positions
+        0 1 2 3
+    0 [ 1 . . . ]          P + 0
+    1 [ 1 1 . . ]          P + 1
+    2 [ 1 1 1 . ]          P + 2
+    3 [ 1 . . 1 ]          P + 1
+
+Every node also sees all P prefix columns. The model gets an additive float mask: 0 where allowed,
+``finfo(dtype).min`` elsewhere (a boolean mask is silently wrong under eager attention).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .tree import DraftTree
+
+
+@lru_cache(maxsize=512)
+def _tree_tensors(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    n = len(parents)
+    allowed = torch.zeros(n, n, dtype=torch.bool)  # [n, n]
+    depth = [0] * n
+    for i, p in enumerate(parents):
+        if p >= 0:
+            allowed[i] = allowed[p]
+            depth[i] = depth[p] + 1
+        allowed[i, i] = True
+    is_chain = all(p == i - 1 for i, p in enumerate(parents))
+    return allowed, torch.tensor(depth, dtype=torch.long), is_chain
+
+
+def ancestor_mask(tree: DraftTree) -> torch.Tensor:
+    """[n, n] bool: allowed[i, j] iff node j is node i or one of its ancestors."""
+    return _tree_tensors(tree.topology())[0]
+
+
+def tree_depths(tree: DraftTree) -> torch.Tensor:
+    """[n] long: depth of each node (root 0); position id of node i is P + depth[i]."""
+    return _tree_tensors(tree.topology())[1]
+
+
+def is_chain(tree: DraftTree) -> bool:
+    """True when the tree is a single path (a plain causal mask suffices)."""
+    return _tree_tensors(tree.topology())[2]
+
+
+def additive_mask(allowed: torch.Tensor, prefix_len: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """[1, 1, n, P + n] float mask: 0 on prefix columns and allowed tree columns, dtype-min elsewhere."""
+    n = allowed.shape[0]
+    mask = torch.zeros(n, prefix_len + n, dtype=dtype, device=device)  # [n, P + n]
+    mask[:, prefix_len:].masked_fill_(~allowed.to(device), torch.finfo(dtype).min)
+    return mask[None, None]
