@@ -31,7 +31,7 @@ def build_tr_tree(anchor: int, adj: AdjacencyTable, cfg: TRConfig) -> DraftTree:
         succ = adj.successors(tree.tokens[parent])
         if succ is None or path[-1] >= len(succ[0]):
             continue
-        idx = tree.add(parent, succ[0][path[-1]], BRANCH)
+        idx = tree.add(parent, succ[0][path[-1]], BRANCH, path[-1])
         if idx >= 0:
             node_of[path] = idx
     if len(tree) == 1:
@@ -64,10 +64,10 @@ def build_isotropic_tree(anchor: int, prev_anchor: int | None, chain: list[int],
         parent = tree.parents[node]
         succ = adj.successors(tree.tokens[node], prev_anchor if parent < 0 else tree.tokens[parent])
         if succ is not None:
-            for tok, score in zip(*succ):
+            for rank, (tok, score) in enumerate(zip(*succ)):
                 if added >= cfg.width or len(tree) >= budget or score < cfg.min_score:
                     break
-                idx = tree.add(node, tok, BRANCH)
+                idx = tree.add(node, tok, BRANCH, rank)
                 if idx >= 0:
                     queue.append(idx)
                     added += 1

@@ -105,16 +105,39 @@ class TRConfig:
     template: tuple[tuple[int, ...], ...] = field(default_factory=_tr_template)
 
 
+
+@dataclass(frozen=True)
+class AcceptanceConfig:
+    """Priors and grouping of the online acceptance model used by the device-aware `goose` method."""
+
+    spine_prior: tuple[float, float, float] = (0.7, 0.5, 0.3)  # consensus, long (>= 8 tokens), short match
+    branch_prior: tuple[float, ...] = (0.3, 0.1, 0.05, 0.03, 0.02)  # by adjacency rank (last one repeats)
+    prior_strength: float = 4.0  # pseudo-trials behind each prior
+    max_rank: int = 9  # ranks above this share a group
+    max_branch_depth: int = 6  # branch depths above this share a group
+    max_prob: float = 0.98  # keeps path probabilities strictly decreasing
+
+
+@dataclass(frozen=True)
+class DeviceAwareConfig:
+    """`goose`: draft a generous spine tree, then verify the subtree with the best tokens per second."""
+
+    candidate_budget: int = 96  # nodes of the candidate tree, root included (capped by the cost curve)
+    carry_over: bool = True  # keep acceptance statistics across requests of one decoder
+    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
+
 @dataclass(frozen=True)
 class GooseConfig:
-    """Everything the `goose-paper` / `iso*` decoders need; `goose` adds `DeviceAwareConfig`."""
+    """Everything the GOOSE-family decoders need (`goose-paper`, `iso*`, device-aware `goose`)."""
 
     ngram: NgramConfig = field(default_factory=NgramConfig)
     adjacency: AdjacencyConfig = field(default_factory=AdjacencyConfig)
     tree: SpineTreeConfig = field(default_factory=SpineTreeConfig)
+    device_aware: DeviceAwareConfig = field(default_factory=DeviceAwareConfig)
 
     def with_budget(self, budget: int) -> "GooseConfig":
         return replace(self, tree=replace(self.tree, budget=budget))
+
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import DecodeConfig, GooseConfig
+from .costmodel import CostCurve
 from .errors import GooseError
 from .forward import HFForward
 from .methods import Method, make_method
@@ -56,12 +57,13 @@ class Decoder:
     """A model, a method and its configuration; reusable across requests (not thread-safe)."""
 
     def __init__(self, model, tokenizer=None, method: str | Method = "goose", config: GooseConfig | None = None,
-                 forward=None) -> None:
+                 forward=None, cost: CostCurve | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         vocab = model.get_output_embeddings().weight.shape[0]
-        self.method = method if isinstance(method, Method) else make_method(method, vocab, config)
+        self.method = method if isinstance(method, Method) else make_method(method, vocab, config, cost)
         self.forward = forward if forward is not None else HFForward(model)
+        self.method.prepare(model, self.forward)
         self.eos = eos_ids(model, tokenizer)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 
 
+from .acceptance import SHORT, AcceptanceModel, match_kind
 from .adjacency import AdjacencyTable
 from .baselines import build_chain, build_isotropic_tree, build_tr_tree
 from .config import AdjacencyConfig, GooseConfig, IsotropicConfig, PLDConfig, TRConfig
 from .errors import GooseError
+from .costmodel import CostCurve, load_or_measure
 from .ngram import NgramIndex
+from .selector import select
 from .spine import build_spine_tree, tree_budget
 from .tree import SPINE, DraftTree
 from .verify import WalkResult
@@ -24,6 +27,9 @@ class Method:
 
     def begin(self, tokens: list[int]) -> None:
         """A new request whose committed tokens (prompt + first generated token) are `tokens`."""
+
+    def prepare(self, model, forward) -> None:
+        """Called once by the Decoder with the model and its forward backend."""
 
     def draft(self, anchor: int, prev: int | None) -> DraftTree:
         return DraftTree.root(anchor, route="ar")
@@ -115,7 +121,7 @@ class GoosePaper(_AdjacencyMethod):
         if self.adj.successors(anchor, prev) is None:
             return build_chain(anchor, first.chain)  # CHAIN route (or AR when there is no chain)
         c = first.confidence
-        prop = self.index.propose_extended(self.cfg.ngram) if c > self.cfg.ngram.extend_threshold else first
+        prop = self.index.propose_extended(self.cfg.ngram, first)
         return self.build(anchor, prev, prop.chain, c)
 
     def build(self, anchor: int, prev: int | None, chain: list[int], confidence: float) -> DraftTree:
@@ -145,10 +151,58 @@ class Isotropic(GoosePaper):
         return build_isotropic_tree(anchor, prev, chain, budget, self.adj, self.iso)
 
 
+class DeviceAwareGoose(GoosePaper):
+    """`goose`: a generous spine tree as candidates, verified as the subtree with the best expected
+    tokens per millisecond under the device's measured cost curve (n = 1, a plain step, included)."""
+
+    name = "goose"
+
+    def __init__(self, vocab_size: int, cfg: GooseConfig = GooseConfig(), cost: CostCurve | None = None) -> None:
+        super().__init__(vocab_size, cfg)
+        self.acc = AcceptanceModel(cfg.device_aware.acceptance)
+        self.cost = cost
+        self._kind = SHORT
+        self._set_cost(cost)
+
+    def _set_cost(self, cost: CostCurve | None) -> None:
+        self.cost = cost
+        if cost is not None:
+            size = min(self.cfg.device_aware.candidate_budget, cost.max_size)
+            self.candidate_cfg = self.cfg.with_budget(size)
+            self.cost_table = cost.table(size)
+
+    def prepare(self, model, forward) -> None:
+        if self.cost is None:
+            self._set_cost(load_or_measure(model, forward))
+
+    def begin(self, tokens: list[int]) -> None:
+        super().begin(tokens)
+        if not self.cfg.device_aware.carry_over:
+            self.acc.reset()
+
+    def draft(self, anchor: int, prev: int | None) -> DraftTree:
+        first = self.index.propose()
+        prop = self.index.propose_extended(self.cfg.ngram, first)
+        self._kind = match_kind(first.consensus, len(first.chain))
+        cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg)
+        if len(cand) == 1:
+            cand.route = "ar"
+            return cand
+        q, _ = self.acc.node_probs(cand, self._kind)
+        tree, _ = select(cand, q, self.cost_table)
+        return tree
+
+    def observe(self, tree: DraftTree, walk: WalkResult) -> None:
+        super().observe(tree, walk)
+        if len(tree) > 1:
+            self.acc.update(tree, self.acc.keys(tree, self._kind), walk)
+
+
 METHODS = ("ar", "pld", "tr", "iso3", "iso5", "goose-paper", "goose")
 
 
-def make_method(name: str, vocab_size: int, config: GooseConfig | None = None) -> Method:
+def make_method(name: str, vocab_size: int, config: GooseConfig | None = None,
+                cost: CostCurve | None = None) -> Method:
     cfg = config or GooseConfig()
     if name == "ar":
         return AR()
@@ -158,10 +212,10 @@ def make_method(name: str, vocab_size: int, config: GooseConfig | None = None) -
         return TokenRecycling(vocab_size)
     if name in ("iso3", "iso5"):
         return Isotropic(vocab_size, int(name[3:]), cfg)
-    if name in ("goose-paper", "goose"):
-        m = GoosePaper(vocab_size, cfg)
-        m.name = name
-        return m
+    if name == "goose-paper":
+        return GoosePaper(vocab_size, cfg)
+    if name == "goose":
+        return DeviceAwareGoose(vocab_size, cfg, cost)
     raise GooseError(f"unknown method '{name}'; choose one of: {', '.join(METHODS)}")
 
 

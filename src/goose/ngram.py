@@ -95,14 +95,14 @@ class NgramIndex:
         """Lookup on the committed tokens themselves (spec's ``propose(tokens)``)."""
         return self.lookup(self.tokens)
 
-    def propose_extended(self, cfg: NgramConfig) -> Proposal:
+    def propose_extended(self, cfg: NgramConfig, first: Proposal | None = None) -> Proposal:
         """Propose, then grow the chain by repeated lookups while confidence allows (spec §3).
 
         With confidence c > ``extend_threshold`` the chain is extended up to ``int(max_extended_chain * c)``
         tokens; on consensus (c = 1) only while each further lookup also has consensus (the first
-        lookup without consensus is still appended).
+        lookup without consensus is still appended). `first` is this step's `propose()`, if known.
         """
-        first = self.propose()
+        first = first if first is not None else self.propose()
         c = first.confidence
         if c <= cfg.extend_threshold:
             return first

@@ -54,12 +54,12 @@ class _Brancher:
         if succ is None:
             return 0
         added = 0
-        for tok, score in zip(*succ):
+        for rank, (tok, score) in enumerate(zip(*succ)):
             if added >= limit or len(self.tree) >= self.budget or score < self.cfg.min_score:
                 break
             if tok == skip:
                 continue
-            idx = self.tree.add(node, tok, BRANCH)
+            idx = self.tree.add(node, tok, BRANCH, rank)
             if idx >= 0:
                 self.queue.append((idx, depth, score))
                 added += 1

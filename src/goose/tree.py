@@ -26,6 +26,7 @@ class DraftTree:
     sources: list[int] = field(default_factory=lambda: [ROOT])
     depths: list[int] = field(default_factory=lambda: [0])
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])  # token -> child index
+    ranks: list[int] = field(default_factory=lambda: [0])  # rank among the source's candidates (0 = best)
     route: str = "tree"  # "tree", "chain" or "ar": how the step was drafted
 
     @classmethod
@@ -35,7 +36,7 @@ class DraftTree:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, token: int, source: int) -> int:
+    def add(self, parent: int, token: int, source: int, rank: int = 0) -> int:
         """Add a child of `parent`; returns its index, or -1 if that sibling token already exists."""
         kids = self.children[parent]
         if token in kids:
@@ -47,6 +48,7 @@ class DraftTree:
         self.sources.append(source)
         self.depths.append(self.depths[parent] + 1)
         self.children.append({})
+        self.ranks.append(rank)
         return idx
 
     def add_chain(self, parent: int, tokens: list[int], source: int) -> list[int]:
@@ -81,7 +83,7 @@ class DraftTree:
         new_index = {old: new for new, old in enumerate(keep)}
         out = DraftTree.root(self.tokens[0], route=self.route)
         for old in keep[1:]:
-            out.add(new_index[self.parents[old]], self.tokens[old], self.sources[old])
+            out.add(new_index[self.parents[old]], self.tokens[old], self.sources[old], self.ranks[old])
         return out
 
     def within_depth(self, max_depth: int) -> "DraftTree":

@@ -1,0 +1,75 @@
+"""Online acceptance model: P(a draft node is accepted | its parent was accepted).
+
+Nodes are grouped by what is known when drafting: spine nodes by match kind (consensus / long / short
+chain) and depth, branch nodes by adjacency rank and branch depth. Each group keeps Beta-smoothed
+counts that start from a prior and are updated from every verification, where each node whose parent
+lay on the accepted path is one trial. The expected accepted length of a tree is then the sum over
+nodes of the product of these probabilities along the node's path (independence model).
+"""
+
+from __future__ import annotations
+
+from .config import AcceptanceConfig
+from .tree import SPINE, DraftTree
+from .verify import WalkResult
+
+CONSENSUS, LONG, SHORT = 0, 1, 2
+_SPINE_DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # depth buckets: <=1, <=2, ..., >32
+
+
+def match_kind(consensus: bool, chain_len: int) -> int:
+    return CONSENSUS if consensus else LONG if chain_len >= 8 else SHORT
+
+
+def _spine_bucket(depth: int) -> int:
+    for i, edge in enumerate(_SPINE_DEPTH_EDGES):
+        if depth <= edge:
+            return i
+    return len(_SPINE_DEPTH_EDGES)
+
+
+class AcceptanceModel:
+    def __init__(self, cfg: AcceptanceConfig = AcceptanceConfig()) -> None:
+        self.cfg = cfg
+        self.counts: dict[tuple, list[float]] = {}  # key -> [accepted, trials]
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def _prior(self, key: tuple) -> float:
+        if key[0] == "s":
+            return self.cfg.spine_prior[key[1]]
+        rank = key[1]
+        return self.cfg.branch_prior[min(rank, len(self.cfg.branch_prior) - 1)]
+
+    def keys(self, tree: DraftTree, kind: int) -> list[tuple]:
+        """The group of every node (index 0, the root, gets None)."""
+        out: list[tuple | None] = [None]
+        bdepth = [0] * len(tree)
+        for i in range(1, len(tree)):
+            p = tree.parents[i]
+            if tree.sources[i] == SPINE:
+                out.append(("s", kind, _spine_bucket(tree.depths[i])))
+            else:
+                bdepth[i] = bdepth[p] + 1
+                out.append(("b", min(tree.ranks[i], self.cfg.max_rank), min(bdepth[i], self.cfg.max_branch_depth)))
+        return out
+
+    def prob(self, key: tuple) -> float:
+        s = self.cfg.prior_strength
+        acc, trials = self.counts.get(key, (0.0, 0.0))
+        p = (acc + s * self._prior(key)) / (trials + s)
+        return min(p, self.cfg.max_prob)
+
+    def node_probs(self, tree: DraftTree, kind: int) -> tuple[list[float], list[tuple]]:
+        keys = self.keys(tree, kind)
+        return [1.0] + [self.prob(k) for k in keys[1:]], keys
+
+    def update(self, tree: DraftTree, keys: list[tuple], walk: WalkResult) -> None:
+        on_path = set(walk.path)
+        for i in range(1, len(tree)):
+            if tree.parents[i] in on_path:
+                c = self.counts.setdefault(keys[i], [0.0, 0.0])
+                c[1] += 1.0
+                if i in on_path:
+                    c[0] += 1.0

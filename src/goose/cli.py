@@ -1,0 +1,144 @@
+"""Command line: `goose generate`, plus the subcommands other modules register (bench, report, ...).
+
+Bad input ends with a one-line ``goose: error: ...`` message and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import GooseError
+from .methods import METHODS
+from .model import DEFAULT_MODEL, PACKAGED
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"packaged name ({', '.join(PACKAGED)}), Hugging Face model directory, or .gguf file "
+                        f"(default: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def method_name(text: str) -> str:
+    if text not in METHODS:
+        raise argparse.ArgumentTypeError(f"unknown method '{text}'; choose one of: {', '.join(METHODS)}")
+    return text
+
+
+def _read_prompt(args) -> str:
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise GooseError(f"prompt file not found: {path}")
+        return path.read_text(encoding="utf-8")
+    if args.prompt is None:
+        raise GooseError("give a PROMPT or --prompt-file")
+    return args.prompt
+
+
+def first_mismatch(model, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict:
+    """Where two generations diverge, with both tokens' logits after the common prefix (tie vs bug)."""
+    import torch
+
+    pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    info = {"position": pos, "ar_token": ref[pos] if pos < len(ref) else None,
+            "token": got[pos] if pos < len(got) else None}
+    if info["ar_token"] is not None and info["token"] is not None:
+        with torch.inference_mode():
+            ids = torch.tensor([prompt_ids + ref[:pos]], device=model.device)
+            logits = model(ids).logits[0, -1].float()
+        info["ar_logit"] = float(logits[info["ar_token"]])
+        info["logit"] = float(logits[info["token"]])
+    return info
+
+
+def cmd_generate(args) -> int:
+    from .decoding import Decoder
+    from .model import load_model
+
+    prompt = _read_prompt(args)
+    if not prompt.strip():
+        raise GooseError("the prompt is empty")
+    model, tok = load_model(args.model, args.dtype, args.device)
+    dec = Decoder(model, tok, args.method)
+    ids = dec.encode(prompt, chat=args.chat)
+    res = dec.generate(ids, args.max_new_tokens)
+    if not args.json:
+        print(res.text)
+        return 0
+    payload = res.to_dict()
+    if args.verify:
+        ref = Decoder(model, tok, "ar").generate(ids, args.max_new_tokens).token_ids
+        payload["lossless"] = ref == res.token_ids
+        if ref != res.token_ids:
+            payload["mismatch"] = first_mismatch(model, ids, ref, res.token_ids)
+    print(json.dumps(payload))
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage dump): ``goose: error: ...``, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"goose: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="goose", description="Lossless speculative decoding with GOOSE spine trees.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("prompt", nargs="?", help="the prompt text")
+    g.add_argument("--prompt-file", help="read the prompt from this file")
+    add_model_args(g)
+    g.add_argument("--method", type=method_name, default="goose", help=f"one of {', '.join(METHODS)} (default goose)")
+    g.add_argument("--max-new-tokens", type=positive_int, default=128, help="default 128")
+    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
+    g.add_argument("--verify", action="store_true", help="with --json: also run ar and report losslessness")
+    g.set_defaults(func=cmd_generate)
+    for register in _extensions():
+        register(sub)
+    return parser
+
+
+def _extensions():
+    """Subcommand registrars of other modules (each `register(subparsers)`)."""
+    out = []
+    try:
+        from .bench.cli import register as bench_register
+    except ImportError:
+        pass
+    else:
+        out.append(bench_register)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except GooseError as exc:
+        print(f"goose: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("goose: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Shared fixtures: a tiny random Llama built from a config (no download) and its greedy reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TINY_VOCAB = 96
+TINY_EOS = 1
+
+
+def make_tiny_llama(dtype=torch.float64, seed: int = 0, vocab: int = TINY_VOCAB, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=TINY_EOS, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg).to(dtype).eval()
+    # Larger weights than the init default give peaked, repetitive greedy text (exercises the spine).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    model.generation_config.eos_token_id = TINY_EOS
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: Hugging Face greedy `model.generate`, generated tokens only."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                             max_new_tokens=max_new_tokens, eos_token_id=TINY_EOS, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return make_tiny_llama()
+
+
+@pytest.fixture(autouse=True)
+def _threads(request):
+    """Tiny models run fastest on one thread (no oversubscription); the real model keeps them all."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -1,0 +1,57 @@
+import torch
+
+from goose.adjacency import AdjacencyTable
+from goose.config import AdjacencyConfig
+
+
+def logits_preferring(order_rows, vocab=20):
+    """One logits row per list: tokens in the list get descending logits, the rest far below."""
+    rows = torch.full((len(order_rows), vocab), -100.0)
+    for r, order in enumerate(order_rows):
+        for rank, tok in enumerate(order):
+            rows[r, tok] = 10.0 - rank
+    return rows
+
+
+def test_unobserved_token_has_no_successors():
+    adj = AdjacencyTable(20, AdjacencyConfig(top_k=3))
+    assert adj.successors(5) is None
+
+
+def test_harvest_sets_unigram_row_with_softmax_scores():
+    adj = AdjacencyTable(20, AdjacencyConfig(top_k=3))
+    adj.harvest([5], [-1], logits_preferring([[7, 8, 9]]))
+    ids, scores = adj.successors(5)
+    assert ids == [7, 8, 9]
+    expected = torch.softmax(torch.tensor([10.0, 9.0, 8.0]), 0).tolist()
+    assert all(abs(a - b) < 1e-6 for a, b in zip(scores, expected))
+
+
+def test_duplicate_tokens_last_position_wins():
+    adj = AdjacencyTable(20, AdjacencyConfig(top_k=2))
+    adj.harvest([5, 6, 5], [-1, 5, 6], logits_preferring([[1, 2], [3, 4], [10, 11]]))
+    assert adj.successors(5)[0] == [10, 11]
+    assert adj.successors(6)[0] == [3, 4]
+
+
+def test_bigram_preferred_over_unigram():
+    adj = AdjacencyTable(20, AdjacencyConfig(top_k=2))
+    adj.harvest([4, 5, 3, 5], [-1, 4, -1, 3], logits_preferring([[1, 2], [7, 8], [1, 2], [12, 13]]))
+    assert adj.successors(5, prev=4)[0] == [7, 8]  # bigram (4, 5)
+    assert adj.successors(5, prev=3)[0] == [12, 13]  # bigram (3, 5)
+    assert adj.successors(5, prev=9)[0] == [12, 13]  # unknown bigram: unigram row (last write)
+    assert adj.successors(5)[0] == [12, 13]
+
+
+def test_bigram_tier_can_be_disabled_and_ids_only_scores():
+    adj = AdjacencyTable(20, AdjacencyConfig(top_k=2, use_bigram=False, with_scores=False))
+    adj.harvest([4, 5], [-1, 4], logits_preferring([[1, 2], [7, 8]]))
+    assert adj.bigram == {}
+    assert adj.successors(5, prev=4) == ([7, 8], [0.5, 0.5])
+
+
+def test_reset_forgets_everything():
+    adj = AdjacencyTable(20, AdjacencyConfig(top_k=2))
+    adj.harvest([4, 5], [-1, 4], logits_preferring([[1, 2], [7, 8]]))
+    adj.reset()
+    assert adj.successors(5, prev=4) is None and adj.successors(4) is None

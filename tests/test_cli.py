@@ -1,0 +1,93 @@
+"""Command line: output formats and one-line errors for bad input (never a traceback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_tiny_llama
+from goose.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama saved with a real tokenizer (SmolLM2's vocabulary, no chat template)."""
+    from transformers import AutoTokenizer
+
+    from goose.model import model_dir
+
+    path = tmp_path_factory.mktemp("tiny")
+    tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
+    tok.chat_template = None
+    model = make_tiny_llama(dtype=__import__("torch").float32, vocab=len(tok))
+    model.config.max_position_embeddings = 256
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def run(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_json_output_with_verify(tiny_dir, capsys):
+    code, out, err = run(["generate", "--model", str(tiny_dir), "--method", "goose-paper", "--max-new-tokens", "12",
+                          "--json", "--verify", "hello hello hello hello"], capsys)
+    assert code == 0, err
+    payload = json.loads(out)
+    assert set(payload) >= {"text", "token_ids", "stats", "lossless"}
+    assert payload["lossless"] is True
+    assert payload["stats"]["new_tokens"] == len(payload["token_ids"]) <= 12
+    for key in ("forward_calls", "tau", "mat", "wall_time_s", "tokens_per_s", "drafted", "accepted",
+                "spine_continuations", "spine_continuation_tokens", "accept_lengths", "tree_sizes"):
+        assert key in payload["stats"]
+
+
+def test_plain_output_is_the_text(tiny_dir, capsys, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("one two three")
+    code, out, _ = run(["generate", "--model", str(tiny_dir), "--max-new-tokens", "5", "--prompt-file", str(f)], capsys)
+    assert code == 0 and out.endswith("\n")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["generate", ""], "empty"),
+    (["generate", "   "], "empty"),
+    (["generate"], "PROMPT"),
+    (["generate", "--max-new-tokens", "0", "hi"], ">= 1"),
+    (["generate", "--method", "nope", "hi"], "unknown method 'nope'"),
+    (["generate", "--model", "/no/such/dir", "hi"], "unknown model"),
+    (["generate", "--prompt-file", "/no/such/file"], "not found"),
+    (["generate", "--dtype", "int3", "hi"], "unknown dtype"),
+])
+def test_bad_input_gives_one_line_error(argv, needle, capsys):
+    code, _, err = run(argv, capsys)
+    assert code == 2
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_unreadable_gguf(tmp_path, capsys):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    code, _, err = run(["generate", "--model", str(bad), "hi"], capsys)
+    assert code == 2 and "cannot read GGUF" in err
+
+
+def test_context_overflow_and_missing_chat_template(tiny_dir, capsys):
+    code, _, err = run(["generate", "--model", str(tiny_dir), "--max-new-tokens", "1000", "hi"], capsys)
+    assert code == 2 and "exceeds the model's context of 256" in err
+    code, _, err = run(["generate", "--model", str(tiny_dir), "--chat", "hi"], capsys)
+    assert code == 2 and "chat template" in err
+
+
+def test_python_dash_m_entry_point():
+    res = subprocess.run([sys.executable, "-m", "goose", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0 and "generate" in res.stdout

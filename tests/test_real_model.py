@@ -1,0 +1,66 @@
+"""The packaged SmolLM2-135M: every method is token-identical to `ar` (and `ar` to `model.generate`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from goose.cli import first_mismatch
+from goose.decoding import Decoder
+from goose.methods import METHODS
+from goose.model import load_model
+
+PROMPTS = {
+    "code-edit": "Rename the variable `x` to `count` everywhere in this function and show the full result:\n"
+                 "def bump(x):\n    x = x + 1\n    if x > 10:\n        x = x * 2\n    print(x)\n    return x\n",
+    "story": "Write a short story about a goose who learns to fly.",
+    "math": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+            "How many clips did Natalia sell altogether in April and May?",
+    "code": "Write a Python function that checks whether a string is a palindrome.",
+    "facts": "List three facts about the Moon.",
+}
+MAX_NEW = 40
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def references(smollm):
+    model, tok = smollm
+    ar = Decoder(model, tok, "ar")
+    out = {}
+    for name, text in PROMPTS.items():
+        ids = ar.encode(text, chat=True)
+        out[name] = (ids, ar.generate(ids, MAX_NEW).token_ids)
+    return out
+
+
+def describe(model, ids, ref, got):
+    return f"first mismatch (tie if the two logits are within ~1e-4): {first_mismatch(model, ids, ref, got)}"
+
+
+def test_ar_equals_hf_generate(smollm, references):
+    model, _ = smollm
+    for name in ("code-edit", "story"):
+        ids, ref = references[name]
+        with torch.inference_mode():
+            g = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               do_sample=False, max_new_tokens=MAX_NEW)
+        got = g[0, len(ids):].tolist()
+        assert got == ref, describe(model, ids, ref, got)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+def test_method_is_lossless_on_real_prompts(smollm, references, method):
+    model, tok = smollm
+    dec = Decoder(model, tok, method)
+    for name, (ids, ref) in references.items():
+        res = dec.generate(ids, MAX_NEW)
+        assert res.token_ids == ref, f"{method} on {name}: " + describe(model, ids, ref, res.token_ids)
+        if method in ("goose", "goose-paper") and name == "code-edit":
+            assert res.stats.tau > 1.5, f"tau {res.stats.tau:.2f} on the repetitive prompt"
