@@ -97,6 +97,37 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"goose: error: {message} (see '{self.prog} --help')\n")
 
 
+def cmd_profile(args) -> int:
+    from .costmodel import load_or_measure
+    from .forward import HFForward
+    from .model import load_model
+
+    model, _ = load_model(args.model, args.dtype, args.device)
+    fwd = HFForward(model)
+    curve = load_or_measure(model, fwd, remeasure=args.remeasure)
+    print(f"forward cost of {args.model} ({args.dtype}, {args.device}, {type(fwd).__name__})")
+    print(f"{'tokens':>6} {'ms':>9} {'x cost(1)':>10} {'break-even accepted':>20}")
+    for n, ms in zip(curve.sizes, curve.ms):
+        print(f"{n:>6} {ms:>9.1f} {ms / curve.ms[0]:>10.2f} {curve.break_even(n):>20.2f}")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(curve.sizes, curve.ms, marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("query tokens per forward")
+        ax.set_ylabel("ms per forward (median)")
+        ax.set_title(f"forward cost: {args.model}")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="goose", description="Lossless speculative decoding with GOOSE spine trees.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -110,21 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
     g.add_argument("--verify", action="store_true", help="with --json: also run ar and report losslessness")
     g.set_defaults(func=cmd_generate)
-    for register in _extensions():
-        register(sub)
+    pr = sub.add_parser("profile", help="measure (or show the cached) forward cost curve of a model")
+    add_model_args(pr)
+    pr.add_argument("--remeasure", action="store_true", help="measure again instead of using the cached curve")
+    pr.add_argument("--plot", default="goose-profile.png", help="PNG to write (default goose-profile.png; '' for none)")
+    pr.set_defaults(func=cmd_profile)
+    from .bench.cli import register as register_bench
+
+    register_bench(sub)  # bench, report, demo
     return parser
-
-
-def _extensions():
-    """Subcommand registrars of other modules (each `register(subparsers)`)."""
-    out = []
-    try:
-        from .bench.cli import register as bench_register
-    except ImportError:
-        pass
-    else:
-        out.append(bench_register)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,172 @@
+"""`goose bench`, `goose report` and `goose demo`: registered into goose's command line by `register`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ..cli import add_model_args, positive_int
+from ..errors import GooseError
+from ..model import DEFAULT_MODEL
+from . import datasets, store
+from .engines import ALL_METHODS
+from .plots import write_plots
+from .report import console_table, render
+from .runner import Runner, with_reference
+from .summary import summarize, write_summary
+
+DEFAULT_METHODS = "ar,pld,tr,iso3,iso5,goose,hf-ar,hf-pld"
+DEMO_METHODS = "ar,pld,tr,goose,hf-ar"
+DEMO_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")
+SPEC_BENCH_FILE = Path("data") / "spec_bench" / "question.jsonl"  # inside the `shared` folder beside the repo
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods:
+        raise GooseError("--methods is empty")
+    for m in methods:
+        if m not in ALL_METHODS:
+            raise GooseError(f"unknown method '{m}'; choose from: {', '.join(ALL_METHODS)}")
+    return methods
+
+
+def model_key(model: str) -> str:
+    """The model as recorded in run.json: packaged names as they are, paths made absolute."""
+    p = Path(model).expanduser()
+    return str(p.resolve()) if p.exists() else model
+
+
+def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
+    """Shared by bench and demo: check the directory, load, run, then write summary, report and plots."""
+    from ..model import load_model
+
+    out = Path(args.out)
+    pinned = {"model": model_key(args.model), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+              "chat": args.chat}
+    old = store.read_meta(out) if out.is_dir() else None
+    for key in store.PINNED:  # fail before the (slow) model load
+        if old is not None and old.get(key) != pinned[key]:
+            raise GooseError(f"{out} holds a run with {key}={old.get(key)!r}, not {pinned[key]!r}; "
+                             f"use another --out directory")
+    methods = with_reference(args.methods)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)  # recorded in run.json as "threads"
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, args.dtype, args.device)
+    runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"])
+    meta = {**store.environment(pinned["model"], model, args.dtype, args.device, argv), **pinned,
+            "dataset": dataset, "repeats": args.repeats,
+            "methods": methods + [m for m in (old or {}).get("methods", []) if m not in methods]}
+    store.open_run(out, meta)
+    print(f"bench: {len(questions)} questions x {len(methods)} methods ({', '.join(methods)}), "
+          f"max_new_tokens {args.max_new_tokens} -> {out}", file=sys.stderr)
+    res = runner.run(questions, out, progress=not args.no_progress)
+    if res.skipped:
+        print(f"bench: {res.skipped} questions already done in {out} (skipped)", file=sys.stderr)
+    if res.done == 0 and res.skipped == 0:
+        raise GooseError("interrupted before any question finished; nothing written") if res.interrupted else \
+            GooseError("no questions to run")
+    rendered = render_dir(out)
+    print(f"\nreport: {rendered}  ({time.perf_counter() - t0:.0f}s)")
+    if res.interrupted:
+        print("goose: interrupted; finished questions are kept, rerun the same command to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+def render_dir(out: Path) -> Path:
+    """(Re)write summary.json, the plots and report.md from the files in `out`; print the main tables."""
+    summary = summarize(out)
+    write_summary(out, summary)
+    plots = write_plots(summary, out)
+    path = out / "report.md"
+    path.write_text(render(summary, plots), encoding="utf-8")
+    print(console_table(summary))
+    return path
+
+
+def cmd_bench(args) -> int:
+    args.methods = parse_methods(args.methods)
+    questions = datasets.load(args.dataset, _split(args.categories), args.limit)
+    if not questions:
+        raise GooseError(f"dataset '{args.dataset}' gave no questions")
+    return run_bench(args, questions, args.dataset, sys.argv[1:])
+
+
+def cmd_report(args) -> int:
+    out = Path(args.dir)
+    if not out.is_dir():
+        raise GooseError(f"not a directory: {out}")
+    print(f"\nreport: {render_dir(out)}")
+    return 0
+
+
+def spec_bench_file() -> Path | None:
+    """Spec-Bench's question file in `shared/` beside the repo (seen from the working directory or the
+    package checkout), or None."""
+    repo = Path(__file__).resolve().parents[3]
+    for base in (Path.cwd(), Path.cwd().parent, repo.parent):
+        path = base / "shared" / SPEC_BENCH_FILE
+        if path.is_file():
+            return path
+    return None
+
+
+def cmd_demo(args) -> int:
+    args.methods = parse_methods(args.methods)
+    spec = spec_bench_file()
+    if spec is not None:
+        dataset = f"humaneval,spec-bench:{spec}"
+        qs = datasets.load("humaneval", None, args.limit) + datasets.load(f"spec-bench:{spec}", list(DEMO_CATEGORIES),
+                                                                           args.limit)
+    else:
+        print("demo: Spec-Bench file not found beside the repo; using HumanEval and the built-in prompts",
+              file=sys.stderr)
+        dataset = "humaneval,builtin"
+        qs = datasets.load(dataset, None, args.limit)
+    return run_bench(args, qs, dataset, sys.argv[1:])
+
+
+def _split(text: str | None) -> list[str] | None:
+    return [c.strip() for c in text.split(",") if c.strip()] if text else None
+
+
+def _common(p: argparse.ArgumentParser, max_new: int, out: str, methods: str) -> None:
+    add_model_args(p)
+    p.add_argument("--methods", default=methods,
+                   help=f"comma-separated, from {', '.join(ALL_METHODS)} (default {methods}); 'ar' is always run "
+                        f"as the reference of the lossless check and the speedups")
+    p.add_argument("--max-new-tokens", type=positive_int, default=max_new, help=f"per turn (default {max_new})")
+    p.add_argument("--chat", action="store_true", help="apply the chat template (default: raw prompts, as the paper)")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="run each question's round of methods R times; keep the median time (default 1)")
+    p.add_argument("--out", default=out, help=f"output directory; rerunning resumes it (default {out})")
+    p.add_argument("--threads", type=positive_int,
+                   help="torch CPU threads (default: torch's choice; use 1 on a machine busy with other work)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(sub) -> None:
+    b = sub.add_parser("bench", help="benchmark methods side by side (Spec-Bench-compatible answers, report, plots)")
+    b.add_argument("--dataset", default="builtin",
+                   help="builtin (default), humaneval, sharegpt, spec-bench:PATH, mt-bench:PATH, gsm8k:PATH, "
+                        "jsonl:PATH; several joined by commas")
+    b.add_argument("--categories", help="comma-separated categories to keep")
+    b.add_argument("--limit", type=int, help="first N questions of each category")
+    _common(b, 256, "runs/bench", DEFAULT_METHODS)
+    b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("report", help="re-render summary.json, report.md and plots of a bench directory")
+    r.add_argument("dir", help="a `goose bench` --out directory")
+    r.set_defaults(func=cmd_report)
+
+    d = sub.add_parser("demo", help=f"a short bench on {DEFAULT_MODEL}: HumanEval and Spec-Bench categories "
+                                    f"(built-in prompts without the Spec-Bench file)")
+    d.add_argument("--limit", type=int, default=2, help="prompts per category (default 2)")
+    _common(d, 64, "runs/demo", DEMO_METHODS)
+    d.set_defaults(func=cmd_demo)

@@ -1,0 +1,99 @@
+"""One generation engine per benchmarked method, all answering `generate(ids, max_new_tokens)`.
+
+goose methods run through one reused `goose.Decoder`; `hf-ar` and `hf-pld` are Hugging Face's own
+`model.generate(do_sample=False)` (plain and with `prompt_lookup_num_tokens=10`), what users run today.
+For those, a forward pre-hook (installed only during the call) counts target forwards and reads the
+cache length before each one, which gives tokens per forward and per-step accepted lengths as well.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..config import DecodeConfig
+from ..decoding import Decoder
+from ..errors import GooseError
+from ..methods import METHODS
+
+HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}
+ALL_METHODS = METHODS + tuple(HF_METHODS)
+
+
+class GooseEngine:
+    """A goose method: stats come straight from the step loop."""
+
+    def __init__(self, model, tokenizer, method: str, config=None) -> None:
+        self.decoder = Decoder(model, tokenizer, method, config)
+
+    def generate(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
+        out, stats = self.decoder.generate_ids(ids, DecodeConfig(max_new_tokens=max_new_tokens))
+        return out, stats.to_dict()
+
+
+class HFEngine:
+    """Hugging Face `generate`, greedy, batch 1; stats limited to what can be observed from outside."""
+
+    def __init__(self, model, method: str) -> None:
+        self.model = model
+        self.kwargs = dict(HF_METHODS[method])
+        self.device = next(model.parameters()).device
+
+    def _pre_hook(self, starts: list[int]):
+        def hook(module, args, kwargs):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            starts.append(int(cache.get_seq_length()) if cache is not None else 0)
+        return hook
+
+    @torch.inference_mode()
+    def generate(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, prompt]
+        gc = self.model.generation_config
+        pad = gc.pad_token_id if gc.pad_token_id is not None else _first(gc.eos_token_id)
+        starts: list[int] = []
+        handle = self.model.register_forward_pre_hook(self._pre_hook(starts), with_kwargs=True)
+        try:
+            t0 = time.perf_counter()
+            y = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
+                                    pad_token_id=pad, temperature=None, top_p=None, top_k=None, **self.kwargs)
+            wall = time.perf_counter() - t0
+        finally:
+            handle.remove()
+        out = y[0, len(ids):].tolist()
+        return out, hf_stats(out, starts, len(ids), wall)
+
+
+def hf_stats(out: list[int], starts: list[int], prompt_len: int, wall: float) -> dict:
+    """Stats of a HF generate call from the cache length seen before each forward.
+
+    Forward 0 (prefill) yields one token; forward i >= 1 starts where forward i-1's accepted tokens end, so
+    it produced ``starts[i+1] - starts[i]`` tokens (the last one: whatever remains). Fields goose cannot
+    observe from outside (drafted / accepted per source, tree sizes) are None.
+    """
+    produced = [1] + [b - a for a, b in zip(starts[1:], starts[2:])]
+    if len(starts) > 1:
+        produced.append(len(out) - sum(produced))
+    ok = len(starts) >= 1 and starts[0] == 0 and all(p >= 1 for p in produced) and sum(produced) == len(out)
+    accept = [p - 1 for p in produced[1:]] if ok else None
+    return {
+        "new_tokens": len(out), "forward_calls": len(starts), "wall_time_s": wall, "prompt_tokens": prompt_len,
+        "accept_lengths": accept, "drafted": None, "accepted": None, "spine_continuations": None,
+        "spine_continuation_tokens": None, "tree_sizes": None, "routes": None,
+        "depth_drafted": None, "depth_accepted": None,
+        "tau": len(out) / len(starts) if starts else None,
+        "mat": 1.0 + sum(accept) / len(accept) if accept else (1.0 if accept == [] else None),
+        "tokens_per_s": len(out) / wall if wall > 0 else 0.0, "acceptance_rate": None,
+    }
+
+
+def _first(ids):
+    return ids[0] if isinstance(ids, (list, tuple)) else ids
+
+
+def make_engine(model, tokenizer, method: str, config=None):
+    if method in HF_METHODS:
+        return HFEngine(model, method)
+    if method in METHODS:
+        return GooseEngine(model, tokenizer, method, config)
+    raise GooseError(f"unknown method '{method}'; choose from: {', '.join(ALL_METHODS)}")

@@ -1,0 +1,87 @@
+"""`report.md` from a summary: run metadata, the overall table, per-category tables, mismatches, plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .summary import ALL
+
+# (header, summary key, format) of the overall table
+COLUMNS = (
+    ("tokens/s", "tokens_per_s", "{:.1f}"), ("speedup vs ar", "speedup_vs_ar", "{:.2f}x"),
+    ("speedup vs hf-ar", "speedup_vs_hf_ar", "{:.2f}x"), ("τ", "tau", "{:.2f}"), ("MAT", "mat", "{:.2f}"),
+    ("acc. spine", "acceptance_rate_spine", "{:.1%}"), ("acc. branch", "acceptance_rate_branch", "{:.1%}"),
+    ("spine/branch", "heterogeneity", "{:.1f}x"), ("spine cont.", "spine_continuation_share", "{:.1%}"),
+    ("tree size", "mean_tree_size", "{:.1f}"),
+)
+PER_CATEGORY = (("Speedup vs ar", "speedup_vs_ar", "{:.2f}x"), ("Speedup vs hf-ar", "speedup_vs_hf_ar", "{:.2f}x"),
+                ("τ (tokens per forward)", "tau", "{:.2f}"), ("Tokens/s", "tokens_per_s", "{:.1f}"))
+
+
+def fmt(value, spec: str) -> str:
+    return "–" if value is None else spec.format(value)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def overall_table(summary: dict) -> list[str]:
+    rows = []
+    for m in summary["methods"]:
+        cell = summary["table"][m][ALL]
+        rows.append([m] + [fmt(cell[k], f) for _, k, f in COLUMNS] + [f"{cell['lossless']}/{cell['turns']}"])
+    return _table(["method"] + [h for h, _, _ in COLUMNS] + ["lossless"], rows)
+
+
+def category_table(summary: dict, key: str, spec: str) -> list[str]:
+    cats = summary["categories"]
+    rows = [[m] + [fmt(summary["table"][m][c][key], spec) for c in cats] for m in summary["methods"]]
+    return _table(["method"] + cats, rows)
+
+
+def render(summary: dict, plots: list[Path]) -> str:
+    meta = summary["meta"]
+    v = meta.get("versions", {})
+    out = ["# goose bench report", "",
+           f"- model: `{meta.get('model')}` ({meta.get('dtype')}, {meta.get('device')}, "
+           f"{meta.get('threads')} threads, {meta.get('processor')})",
+           f"- dataset: `{meta.get('dataset')}`; {summary['questions']} questions answered by every method; "
+           f"max_new_tokens {meta.get('max_new_tokens')}; {'chat template' if meta.get('chat') else 'raw prompts'}; "
+           f"greedy, batch 1; repeats {meta.get('repeats', 1)} (median)",
+           f"- versions: goose {v.get('goose')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
+           f"python {v.get('python')}; commit `{meta.get('git_commit')}`"]
+    out += [f"- command: `{c}`" for c in meta.get("commands", [])]
+    if summary.get("left_out"):
+        out.append("- left out (not answered by every method yet): "
+                   + ", ".join(f"{m} {n}" for m, n in summary["left_out"].items()))
+    out += ["", "Speedups are tokens/s ratios on the same prompts in the same run; τ = tokens per target forward "
+            "(prefill included); MAT = accepted per decoding step + 1; acceptance = accepted / drafted nodes per "
+            "source; lossless = turns token-identical to `ar`.", "", "## All categories", ""]
+    out += overall_table(summary)
+    for title, key, spec in PER_CATEGORY:
+        out += ["", f"## {title} by category", ""] + category_table(summary, key, spec)
+    out += ["", "## Lossless (identical turns) by category", ""]
+    cats = summary["categories"]
+    out += _table(["method"] + cats, [[m] + [f"{summary['table'][m][c]['lossless']}/{summary['table'][m][c]['turns']}"
+                                             for c in cats] for m in summary["methods"]])
+    if summary["mismatches"]:
+        out += ["", "## Mismatches against ar", "",
+                "A small logit gap at the first differing position is a near-tie (floating-point order); "
+                "a large one is a bug.", ""]
+        rows = [[x["method"], str(x["question_id"]), str(x["turn"]), str(x["position"]),
+                 str(x.get("ar_token")), str(x.get("token")),
+                 fmt(x.get("ar_logit"), "{:.4f}"), fmt(x.get("logit"), "{:.4f}"),
+                 "context differs" if x.get("context_differs") else ""] for x in summary["mismatches"]]
+        out += _table(["method", "question", "turn", "position", "ar token", "token", "ar logit", "logit", "note"], rows)
+    if plots:
+        out += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(out) + "\n"
+
+
+def console_table(summary: dict) -> str:
+    """The tables a terminal user wants first: overall, then speedup vs ar by category."""
+    lines = overall_table(summary) + ["", "speedup vs ar by category:"]
+    lines += category_table(summary, "speedup_vs_ar", "{:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,128 @@
+"""The files of a bench run in DIR: `run.json` (what was run, by whom) and `answers/<method>.jsonl`.
+
+Rows are appended and flushed one question at a time, so an interrupted run keeps every finished
+question and a rerun skips them. A run directory belongs to one setting (model, dtype, max_new_tokens,
+chat mode): mixing settings would make its tables meaningless, so that is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import GooseError
+
+# Settings that change the generated tokens: a run directory holds one value of each.
+PINNED = ("model", "dtype", "max_new_tokens", "chat")
+
+
+def answers_dir(out: Path) -> Path:
+    return out / "answers"
+
+
+def answers_path(out: Path, method: str) -> Path:
+    return answers_dir(out) / f"{method}.jsonl"
+
+
+def read_answers(path: Path, repair: bool = False) -> list[dict]:
+    """Rows of one answers file. A torn last line (the run was killed mid-write) is dropped, and with
+    `repair` removed from the file; a malformed line elsewhere is an error naming the line."""
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n == len(lines) and not text.endswith("\n"):  # torn tail
+                if repair:
+                    path.write_text("\n".join(lines[:-1]) + ("\n" if len(lines) > 1 else ""), encoding="utf-8")
+                break
+            raise GooseError(f"{path} line {n}: not valid JSON; fix or remove that line") from None
+    return rows
+
+
+def load_all(out: Path) -> dict[str, list[dict]]:
+    """Every method's rows in `out`, keyed by method (file name)."""
+    d = answers_dir(out)
+    if not d.is_dir():
+        return {}
+    return {p.stem: read_answers(p) for p in sorted(d.glob("*.jsonl"))}
+
+
+def append_row(out: Path, method: str, row: dict) -> None:
+    path = answers_path(out, method)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def read_meta(out: Path) -> dict | None:
+    path = out / "run.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        raise GooseError(f"{path} is not valid JSON; is this a goose bench directory?") from None
+
+
+def open_run(out: Path, meta: dict) -> dict:
+    """Create or reopen the run directory `out` for `meta`; refuse one holding a different setting."""
+    if out.exists() and not out.is_dir():
+        raise GooseError(f"--out {out} exists and is not a directory")
+    old = read_meta(out)
+    if old is None and answers_dir(out).is_dir() and any(answers_dir(out).glob("*.jsonl")):
+        raise GooseError(f"{out} holds answers but no run.json; use another --out directory")
+    if old is not None:
+        for key in PINNED:
+            if old.get(key) != meta.get(key):
+                raise GooseError(f"{out} holds a run with {key}={old.get(key)!r}, not {meta.get(key)!r}; "
+                                 f"use another --out directory")
+        meta = {**old, **{k: v for k, v in meta.items() if k != "commands"},
+                "commands": old.get("commands", []) + meta.get("commands", [])}
+    out.mkdir(parents=True, exist_ok=True)
+    for p in answers_dir(out).glob("*.jsonl"):
+        read_answers(p, repair=True)
+    (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    return meta
+
+
+def environment(model_name: str, model, dtype: str, device: str, command: list[str]) -> dict:
+    """Run metadata: the pinned settings are added by the caller; this is the machine and the software."""
+    import transformers
+
+    from .. import __version__
+
+    return {
+        "model": model_name, "dtype": dtype, "device": str(next(model.parameters()).device),
+        "requested_device": device, "threads": torch.get_num_threads(),
+        "versions": {"goose": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "git_commit": git_commit(), "commands": [" ".join([Path(sys.argv[0]).name] + command)],
+    }
+
+
+def git_commit() -> str | None:
+    """The commit of the goose checkout this code runs from (None outside a git checkout)."""
+    here = Path(__file__).resolve().parent
+    try:
+        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        if res.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return res.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None

@@ -1,0 +1,280 @@
+"""goose bench: runner, resume, summary, report and plots on a tiny random Llama (no download)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from goose.bench import store
+from goose.bench.cli import render_dir
+from goose.bench.datasets import BUILTIN
+from goose.bench.engines import hf_stats
+from goose.bench.runner import Prompter, Runner
+from goose.errors import GooseError
+
+METHODS = ["pld", "tr", "goose", "hf-ar", "hf-pld"]  # `ar` is added by the runner
+QUESTIONS = [BUILTIN[0], BUILTIN[2], BUILTIN[3]]  # coding, writing (two turns), qa
+MAX_NEW = 12
+PLOTS = ("speedup_by_category.png", "tau_by_category.png", "accept_length_hist.png", "acceptance_by_depth.png")
+METRICS = ("questions", "turns", "new_tokens", "wall_time_s", "tokens_per_s", "speedup_vs_ar", "speedup_vs_hf_ar",
+           "tau", "mat", "acceptance_rate_spine", "acceptance_rate_branch", "heterogeneity",
+           "spine_continuation_share", "spine_continuation_token_share", "mean_tree_size", "lossless")
+
+
+def make_tokenizer():
+    """A word-level tokenizer over the built-in prompts' words, with a tiny chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    pre = pre_tokenizers.Whitespace()
+    words = ["<unk>", "<s>", "</s>", "user", "assistant", ":"]
+    for q in BUILTIN:
+        for turn in q.turns:
+            for w, _ in pre.pre_tokenize_str(turn):
+                if w not in words:
+                    words.append(w)
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}assistant :{% endif %}")
+    return tok
+
+
+def make_model(vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = 2
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = make_tokenizer()
+    return make_model(len(tok)), tok
+
+
+def bench(tiny, out: Path, questions=QUESTIONS, methods=METHODS, model_id="tiny", chat=False):
+    model, tok = tiny
+    store.open_run(out, {"model": model_id, "dtype": "float32", "max_new_tokens": MAX_NEW, "chat": chat,
+                         "methods": ["ar"] + methods, "dataset": "builtin", "commands": ["goose bench (test)"],
+                         **{k: v for k, v in store.environment(model_id, model, "float32", "cpu", []).items()
+                            if k not in ("model", "commands")}})
+    runner = Runner(model, tok, methods, MAX_NEW, chat=chat, model_id=model_id)
+    return runner.run(questions, out, progress=False)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    res = bench(tiny, out)
+    assert (res.done, res.skipped, res.interrupted) == (3, 0, False)
+    render_dir(out)
+    return out
+
+
+def test_answers_files_follow_spec_bench_format(run_dir):
+    for m in ["ar"] + METHODS:
+        rows = store.read_answers(store.answers_path(run_dir, m))
+        assert [r["question_id"] for r in rows] == [q.question_id for q in QUESTIONS]
+        for r, q in zip(rows, QUESTIONS):
+            assert r["category"] == q.category and r["method"] == m and r["model_id"] == "tiny"
+            c = r["choices"][0]
+            n = len(q.turns)
+            assert all(len(c[k]) == n for k in ("turns", "decoding_steps", "new_tokens", "wall_time"))
+            assert all(isinstance(t, str) for t in c["turns"])
+            assert all(0 < k <= MAX_NEW for k in c["new_tokens"])
+            assert all(isinstance(a, int) and a >= 1 for a in c["accept_lengths"])
+            assert len(r["token_ids"]) == len(r["lossless"]) == len(r["stats"]) == len(r["wall_times"]) == n
+            assert [len(t) for t in r["token_ids"]] == c["new_tokens"]
+            for s in r["stats"]:
+                assert {"new_tokens", "forward_calls", "wall_time_s", "tau", "accept_lengths"} <= set(s)
+
+
+def test_every_method_is_lossless_against_ar(run_dir):
+    ar = store.read_answers(store.answers_path(run_dir, "ar"))
+    for m in METHODS:
+        rows = store.read_answers(store.answers_path(run_dir, m))
+        for r, ref in zip(rows, ar):
+            assert r["token_ids"] == ref["token_ids"]
+            assert r["lossless"] == [True] * len(r["token_ids"])
+            assert r["mismatches"] == [None] * len(r["token_ids"])
+
+
+def test_hf_pld_steps_add_up(run_dir):
+    # HF's prompt lookup, seen from outside: prefill token + tokens of every later step = new tokens
+    for r in store.read_answers(store.answers_path(run_dir, "hf-pld")):
+        c = r["choices"][0]
+        assert 1 + sum(c["accept_lengths"]) == sum(c["new_tokens"]) - (len(c["new_tokens"]) - 1)
+        assert sum(c["decoding_steps"]) == len(c["accept_lengths"]) + len(c["new_tokens"])
+
+
+def test_summary_schema_and_lossless_column(run_dir):
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["methods"] == ["ar"] + METHODS
+    assert s["categories"] == ["coding", "writing", "qa", "all"]
+    assert s["questions"] == 3
+    for key in ("model", "dtype", "device", "threads", "versions", "git_commit", "commands", "max_new_tokens"):
+        assert key in s["meta"]
+    for m in s["methods"]:
+        for c in s["categories"]:
+            cell = s["table"][m][c]
+            assert set(METRICS) <= set(cell)
+            assert cell["lossless"] == cell["turns"]
+        assert s["table"][m]["all"]["turns"] == 4
+        assert s["table"][m]["all"]["tau"] >= 1.0
+    assert s["table"]["ar"]["all"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert s["table"]["hf-ar"]["all"]["speedup_vs_hf_ar"] == pytest.approx(1.0)
+    assert s["table"]["ar"]["all"]["tau"] == pytest.approx(1.0)
+    assert s["table"]["goose"]["all"]["mean_tree_size"] >= 1.0
+    assert s["table"]["hf-pld"]["all"]["acceptance_rate_spine"] is None  # not observable from outside
+    assert s["mismatches"] == []
+
+
+def test_report_and_plots_written(run_dir):
+    text = (run_dir / "report.md").read_text()
+    assert "# goose bench report" in text and "## All categories" in text
+    for m in ["ar"] + METHODS:
+        assert f"| {m} |" in text
+    for name in PLOTS:
+        data = (run_dir / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+        assert f"({name})" in text
+
+
+def test_report_rerenders_from_files(run_dir, capsys):
+    from goose.cli import main
+
+    for name in PLOTS + ("report.md", "summary.json"):
+        (run_dir / name).unlink()
+    assert main(["report", str(run_dir)]) == 0
+    assert all((run_dir / name).stat().st_size > 0 for name in PLOTS + ("report.md", "summary.json"))
+    assert "speedup vs ar by category" in capsys.readouterr().out
+
+
+def test_resume_skips_done_rows(tiny, run_dir, tmp_path):
+    import shutil
+
+    out = tmp_path / "resume"
+    shutil.copytree(run_dir, out)
+    before = {m: store.read_answers(store.answers_path(out, m)) for m in ["ar"] + METHODS}
+    res = bench(tiny, out, questions=QUESTIONS + [BUILTIN[4]])
+    assert (res.done, res.skipped) == (1, 3)
+    for m, rows in before.items():
+        after = store.read_answers(store.answers_path(out, m))
+        assert after[:3] == rows and after[3]["question_id"] == BUILTIN[4].question_id
+    # a method added later runs alone on the old questions, checked against the stored ar rows
+    res = bench(tiny, out, questions=QUESTIONS + [BUILTIN[4]], methods=METHODS + ["iso3"])
+    assert (res.done, res.skipped) == (4, 0)
+    iso = store.read_answers(store.answers_path(out, "iso3"))
+    assert len(iso) == 4 and all(all(r["lossless"]) for r in iso)
+    assert len(store.read_answers(store.answers_path(out, "ar"))) == 4
+
+
+def test_ctrl_c_keeps_finished_questions(tiny, tmp_path):
+    model, tok = tiny
+    out = tmp_path / "int"
+    store.open_run(out, {"model": "tiny", "dtype": "float32", "max_new_tokens": MAX_NEW, "chat": False})
+    runner = Runner(model, tok, ["pld"], MAX_NEW)
+    real, calls = runner.engines["pld"], []
+
+    class Interrupting:
+        def generate(self, ids, n):
+            calls.append(n)
+            if len(calls) == 3:  # warm-up, question 1, then Ctrl-C during question 2
+                raise KeyboardInterrupt
+            return real.generate(ids, n)
+
+    runner.engines["pld"] = Interrupting()
+    res = runner.run(QUESTIONS[:2], out, progress=False)
+    assert res.interrupted and res.done == 1
+    assert len(store.read_answers(store.answers_path(out, "pld"))) == 1
+    assert len(store.read_answers(store.answers_path(out, "ar"))) == 1
+
+
+def test_multi_turn_prompts_carry_the_first_answer(tiny):
+    model, tok = tiny
+    q = BUILTIN[2]
+    raw = Prompter(tok, model, chat=False)
+    first = raw.turn_ids(q, 0, [])
+    answer = [5, 6, 7, 2]  # ends with the stop token, which a raw context drops
+    second = raw.turn_ids(q, 1, [answer])
+    assert second[: len(first) + 3] == first + [5, 6, 7]
+    assert second[len(first) + 3:] == tok("\n\n" + q.turns[1], add_special_tokens=False)["input_ids"]
+    chat = Prompter(tok, model, chat=True)
+    text = tok.decode(chat.turn_ids(q, 1, [answer]))
+    assert text.count("user") == 2 and text.count("assistant") == 2
+
+
+def test_chat_mode_runs_both_turns(tiny, tmp_path):
+    res = bench(tiny, tmp_path / "chat", questions=[BUILTIN[2]], methods=["goose"], chat=True)
+    assert res.done == 1
+    row = store.read_answers(store.answers_path(tmp_path / "chat", "goose"))[0]
+    assert len(row["choices"][0]["turns"]) == 2 and all(row["lossless"])
+
+
+def test_chat_needs_a_template(tiny):
+    model, tok = tiny
+    plain = make_tokenizer()
+    plain.chat_template = None
+    with pytest.raises(GooseError, match="chat template"):
+        Prompter(plain, model, chat=True)
+
+
+def test_run_dir_of_another_model_is_refused(run_dir):
+    meta = store.read_meta(run_dir)
+    with pytest.raises(GooseError, match="model='tiny'"):
+        store.open_run(run_dir, {**meta, "model": "other"})
+    with pytest.raises(GooseError, match="max_new_tokens"):
+        store.open_run(run_dir, {**meta, "max_new_tokens": MAX_NEW + 1})
+    assert store.read_meta(run_dir)["model"] == "tiny"  # nothing changed
+
+
+def test_torn_last_line_is_repaired_and_bad_line_named(tmp_path):
+    out = tmp_path / "torn"
+    store.open_run(out, {"model": "m", "dtype": "float32", "max_new_tokens": 4, "chat": False})
+    store.append_row(out, "ar", {"question_id": 1})
+    path = store.answers_path(out, "ar")
+    with path.open("a") as f:
+        f.write('{"question_id": 2, "cho')  # killed mid-write
+    store.open_run(out, {"model": "m", "dtype": "float32", "max_new_tokens": 4, "chat": False})
+    assert store.read_answers(path) == [{"question_id": 1}] and path.read_text().endswith("}\n")
+    path.write_text('{"question_id": 1}\nnot json\n{"question_id": 3}\n')
+    with pytest.raises(GooseError, match="line 2"):
+        store.read_answers(path)
+
+
+def test_hf_stats_from_cache_lengths():
+    # prompt 5; prefill, then forwards starting at cache 5, 6 (1 token), 9 (3 tokens), last one 2 tokens
+    s = hf_stats(list(range(7)), [0, 5, 6, 9], 5, 1.0)
+    assert s["forward_calls"] == 4 and s["accept_lengths"] == [0, 2, 1] and s["tau"] == pytest.approx(7 / 4)
+    assert hf_stats([1, 2, 3], [0, 9, 9], 5, 1.0)["accept_lengths"] is None  # inconsistent: not guessed
+
+
+def test_cli_bench_on_a_model_directory(tiny, tmp_path, capsys):
+    from goose.cli import main
+
+    model, tok = tiny
+    mdir = tmp_path / "model"
+    model.save_pretrained(mdir)
+    tok.save_pretrained(mdir)
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"id": "a", "category": "x", "turns": ["Write a short story about a robot"]}\n'
+                    '{"id": "b", "category": "y", "turns": ["What is the capital of France ?"]}\n')
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(mdir), "--dataset", f"jsonl:{data}", "--methods", "pld,hf-ar",
+            "--max-new-tokens", "6", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    assert (out / "report.md").is_file() and len(store.read_answers(store.answers_path(out, "ar"))) == 2
+    assert main(argv) == 0  # resumed: nothing to run, report rendered again
+    assert "2 questions already done" in capsys.readouterr().err
+    assert main(argv[:-5] + ["--max-new-tokens", "7", "--out", str(out)]) == 2
+    assert "max_new_tokens=6" in capsys.readouterr().err

@@ -1,0 +1,129 @@
+"""Cost curve, acceptance estimator and subtree selector of the device-aware `goose` method."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import make_tiny_llama
+from goose import costmodel
+from goose.acceptance import CONSENSUS, SHORT, AcceptanceModel
+from goose.config import AcceptanceConfig
+from goose.costmodel import CostCurve, load_or_measure, measure
+from goose.forward import HFForward
+from goose.selector import path_probs, select
+from goose.tree import BRANCH, SPINE, DraftTree
+from goose.verify import WalkResult
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    c = CostCurve((1, 2, 8), (10.0, 16.0, 22.0))
+    assert c(1) == 10.0 and c(2) == 16.0 and c(8) == 22.0
+    assert c(5) == pytest.approx(19.0)
+    assert c(14) == pytest.approx(28.0)  # slope of the last segment
+    assert c.table(3) == [0.0, 10.0, 16.0, pytest.approx(17.0)]
+    assert c.break_even(2) == pytest.approx(0.6)
+    assert CostCurve.from_json(json.loads(json.dumps(c.to_json()))) == c
+    with pytest.raises(ValueError):
+        CostCurve((2, 1), (1.0, 2.0))
+
+
+def test_measure_and_cache(tmp_path, monkeypatch):
+    model = make_tiny_llama()
+    fwd = HFForward(model)
+    curve = measure(fwd, 96, sizes=(1, 2, 4), cache_len=16, repeats=1)
+    assert curve.sizes == (1, 2, 4) and all(ms > 0 for ms in curve.ms)
+    assert fwd.length == 0  # measuring leaves no state behind
+    path = tmp_path / "curve.json"
+    monkeypatch.setattr(costmodel, "measure", lambda *a, **k: curve)
+    first = load_or_measure(model, fwd, path=path)
+    assert first == curve and path.is_file()
+
+    def boom(*a, **k):
+        raise AssertionError("a cached curve must not be measured again")
+
+    monkeypatch.setattr(costmodel, "measure", boom)
+    assert load_or_measure(model, fwd, path=path) == curve
+    path.write_text("{broken")
+    monkeypatch.setattr(costmodel, "measure", lambda *a, **k: curve)
+    assert load_or_measure(model, fwd, path=path) == curve  # unreadable cache: measured again
+
+
+def small_tree():
+    """0 -> 1(s) -> 2(s) -> 3(s); 0 -> 4(b, rank 0); 1 -> 5(b, rank 1)"""
+    t = DraftTree.root(9)
+    a = t.add(0, 10, SPINE)
+    b = t.add(a, 11, SPINE)
+    t.add(b, 12, SPINE)
+    t.add(0, 20, BRANCH, 0)
+    t.add(a, 21, BRANCH, 1)
+    return t
+
+
+def test_acceptance_model_starts_at_priors_and_learns():
+    cfg = AcceptanceConfig()
+    acc = AcceptanceModel(cfg)
+    tree = small_tree()
+    q, keys = acc.node_probs(tree, CONSENSUS)
+    assert q[0] == 1.0 and q[1] == q[2] == q[3] == cfg.spine_prior[CONSENSUS]
+    assert q[4] == cfg.branch_prior[0] and q[5] == cfg.branch_prior[1]
+    assert keys[1] != keys[2]  # spine depth matters
+    # the spine is always rejected at the first node: its probability drops, deeper ones are untouched
+    for _ in range(20):
+        acc.update(tree, keys, WalkResult([0, 4], 0))
+    q2, _ = acc.node_probs(tree, CONSENSUS)
+    assert q2[1] < 0.2 and q2[2] == q[2]
+    assert q2[4] > 0.85  # the rank-0 root branch was always accepted
+    q_short, _ = acc.node_probs(tree, SHORT)
+    assert q_short[1] == cfg.spine_prior[SHORT]  # match kinds are separate groups
+    acc.reset()
+    assert acc.node_probs(tree, CONSENSUS)[0] == q
+
+
+def rooted_subtrees(tree: DraftTree):
+    nodes = range(1, len(tree))
+    for r in range(len(tree)):
+        for combo in itertools.combinations(nodes, r):
+            keep = set(combo) | {0}
+            if all(tree.parents[i] in keep for i in combo):
+                yield sorted(keep)
+
+
+@st.composite
+def trees_and_probs(draw):
+    n = draw(st.integers(1, 8))
+    tree = DraftTree.root(0)
+    for i in range(1, n):
+        tree.add(draw(st.integers(0, i - 1)), i, BRANCH)
+    q = [1.0] + [draw(st.floats(0.0, 0.98)) for _ in range(1, n)]
+    base = draw(st.floats(1.0, 50.0))
+    incs = draw(st.lists(st.floats(0.0, 40.0), min_size=n, max_size=n))
+    cost = [0.0, base]
+    for inc in incs:
+        cost.append(cost[-1] + inc)
+    return tree, q, cost
+
+
+@settings(max_examples=200, deadline=None)
+@given(trees_and_probs())
+def test_selector_matches_brute_force(data):
+    tree, q, cost = data
+    probs = path_probs(tree, q)
+    best = max((sum(probs[i] for i in keep[1:]) + 1.0) / cost[len(keep)] for keep in rooted_subtrees(tree))
+    chosen, expected = select(tree, q, cost)
+    got = (expected + 1.0) / cost[len(chosen)]
+    assert got == pytest.approx(best, rel=1e-9)
+    # the chosen tree is a real rooted subtree of the candidate, with the same tokens on each path
+    for i in range(1, len(chosen)):
+        assert chosen.parents[i] < i
+    assert expected == pytest.approx(sum(path_probs(chosen, [1.0] + [q[t] for t in chosen.tokens[1:]])[1:]))
+
+
+def test_selector_returns_plain_step_when_trees_do_not_pay():
+    tree = small_tree()
+    chosen, e = select(tree, [1.0] + [0.5] * 5, [0.0, 1.0] + [100.0] * 10)
+    assert len(chosen) == 1 and chosen.route == "ar" and e == 0.0
