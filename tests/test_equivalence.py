@@ -15,6 +15,7 @@ from goose.config import DecodeConfig, GooseConfig, NgramConfig, SpineTreeConfig
 from goose.costmodel import CostCurve
 from goose.decoding import Decoder
 from goose.forward import HFForward
+from goose.lean import LeanForward
 from goose.methods import METHODS
 from goose.tree import BRANCH, DraftTree
 from goose.tree_tensors import ancestor_mask, tree_depths
@@ -90,14 +91,16 @@ configs = st.builds(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=prompts, max_new=st.integers(1, 48), cfg=configs, seed=st.integers(0, 2),
-       curve=st.sampled_from(sorted(CURVES)))
-def test_every_method_equals_greedy_generate(prompt, max_new, cfg, seed, curve):
+       curve=st.sampled_from(sorted(CURVES)), backend=st.sampled_from(["hf", "lean"]))
+def test_every_method_equals_greedy_generate(prompt, max_new, cfg, seed, curve, backend):
     model = _model(seed)
     ref = hf_greedy(model, prompt, max_new)
     for method in METHODS:
-        out, stats = Decoder(model, None, method, cfg, cost=CURVES[curve]).generate_ids(prompt, _decode(max_new))
+        fwd = HFForward(model) if backend == "hf" else LeanForward(model)
+        dec = Decoder(model, None, method, cfg, forward=fwd, cost=CURVES[curve])
+        out, stats = dec.generate_ids(prompt, _decode(max_new))
         assert out == ref, f"{method} diverged from greedy generate"
         assert stats.new_tokens == len(out)
         assert len(out) == max_new or out[-1] == TINY_EOS

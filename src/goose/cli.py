@@ -99,11 +99,11 @@ class _Parser(argparse.ArgumentParser):
 
 def cmd_profile(args) -> int:
     from .costmodel import load_or_measure
-    from .forward import HFForward
+    from .decoding import default_forward
     from .model import load_model
 
     model, _ = load_model(args.model, args.dtype, args.device)
-    fwd = HFForward(model)
+    fwd = default_forward(model)
     curve = load_or_measure(model, fwd, remeasure=args.remeasure)
     print(f"forward cost of {args.model} ({args.dtype}, {args.device}, {type(fwd).__name__})")
     print(f"{'tokens':>6} {'ms':>9} {'x cost(1)':>10} {'break-even accepted':>20}")

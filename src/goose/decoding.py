@@ -21,6 +21,8 @@ from .config import DecodeConfig, GooseConfig
 from .costmodel import CostCurve
 from .errors import GooseError
 from .forward import HFForward
+from .lean import LeanForward
+from .lean import supports as lean_supports
 from .methods import Method, make_method
 from .stats import Stats
 from .tree_tensors import ancestor_mask, is_chain, tree_depths
@@ -53,6 +55,11 @@ def context_limit(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
+def default_forward(model):
+    """The fast Llama-family forward where it applies, else the generic Hugging Face one."""
+    return LeanForward(model) if lean_supports(model) else HFForward(model)
+
+
 class Decoder:
     """A model, a method and its configuration; reusable across requests (not thread-safe)."""
 
@@ -62,7 +69,7 @@ class Decoder:
         self.tokenizer = tokenizer
         vocab = model.get_output_embeddings().weight.shape[0]
         self.method = method if isinstance(method, Method) else make_method(method, vocab, config, cost)
-        self.forward = forward if forward is not None else HFForward(model)
+        self.forward = forward if forward is not None else default_forward(model)
         self.method.prepare(model, self.forward)
         self.eos = eos_ids(model, tokenizer)
 

@@ -1,0 +1,291 @@
+"""LeanForward equals HFForward, a plain forward over each node's path, and greedy `model.generate`.
+
+All on tiny random models built from configs (no download): float64 for exactness, float32 for the
+oneDNN-prepacked path.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from goose.config import DecodeConfig
+from goose.decoding import Decoder
+from goose.errors import GooseError
+from goose.forward import HFForward
+from goose.lean import LeanForward, _mkldnn_available, supports
+
+VOCAB = 128
+EOS = 2
+
+
+def _finish(model, dtype, scale: float):
+    model = model.to(dtype).eval()
+    with torch.no_grad():  # larger weights than the init default: peaked logits, repetitive greedy text
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(scale)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.5)  # HF initializes biases to zero: make them matter
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def tiny_llama(dtype=torch.float64, seed=0, layers=3, scale=6.0, **extra):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=EOS, bos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+                      attn_implementation="sdpa", **extra)
+    return _finish(LlamaForCausalLM(cfg), dtype, scale)
+
+
+def tiny_qwen2(dtype=torch.float64, seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=EOS, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+                      attn_implementation="sdpa")
+    return _finish(Qwen2ForCausalLM(cfg), dtype, 6.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and OpenMP spin-waits are ruinous when the 2 cores are
+    shared with other processes (a 2-thread run was ~80x slower under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llama64():
+    return tiny_llama(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def llama32():
+    return tiny_llama(torch.float32)
+
+
+# ---- helpers --------------------------------------------------------------------------------------------
+def random_tree(rng: random.Random, n: int) -> list[int]:
+    """Parent indices in topological order (node 0 = root, parent -1)."""
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+def tree_tensors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    n = len(parents)
+    allowed = torch.zeros(n, n, dtype=torch.bool)  # [n, n]
+    depth = [0] * n
+    for i, p in enumerate(parents):
+        if p >= 0:
+            allowed[i] = allowed[p]
+            depth[i] = depth[p] + 1
+        allowed[i, i] = True
+    return allowed, torch.tensor(depth)
+
+
+def root_path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def call_script(seed: int, steps: int = 12, prompt_len: int = 40):
+    """A random sequence of calls: ("run", tokens) / ("tree", tokens, parents, keep_path)."""
+    rng = random.Random(seed)
+    script = [("run", [rng.randrange(VOCAB) for _ in range(prompt_len)], None, None)]
+    for _ in range(steps):
+        n = rng.choice([1, 1, 2, 3, 5, 8, 13])
+        tokens = [rng.randrange(VOCAB) for _ in range(n)]
+        if rng.random() < 0.3:  # causal run (chain): keep a prefix of it
+            script.append(("run", tokens, None, list(range(rng.randint(1, n)))))
+        else:  # tree: keep the root path of a random node, maybe truncated
+            parents = random_tree(rng, n)
+            path = root_path(parents, rng.randrange(n))
+            script.append(("tree", tokens, parents, path[: rng.randint(1, len(path))]))
+    return script
+
+
+def play(fwd, script) -> list[torch.Tensor]:
+    """Run the script through a forward; returns the logits of every call."""
+    fwd.reset()
+    outs = []
+    with torch.inference_mode():
+        for kind, tokens, parents, keep in script:
+            if kind == "run":
+                outs.append(fwd(tokens).clone())
+            else:
+                allowed, depths = tree_tensors(parents)
+                outs.append(fwd(tokens, depths, allowed).clone())
+            if keep is not None:
+                fwd.keep(keep)
+    return outs
+
+
+def assert_same(outs_a, outs_b, atol):
+    for i, (a, b) in enumerate(zip(outs_a, outs_b)):
+        assert a.shape == b.shape, i
+        err = (a - b).abs().max().item()
+        assert err <= atol, f"call {i}: max |diff| {err:.3g} > {atol}"
+
+
+# ---- (1) same logits as HFForward over call sequences with keep() -----------------------------------------
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_matches_hf_forward_float64(llama64, seed):
+    script = call_script(seed)
+    assert_same(play(LeanForward(llama64), script), play(HFForward(llama64), script), atol=1e-9)
+
+
+def test_matches_hf_forward_float32(llama32):
+    script = call_script(7)
+    lean = LeanForward(llama32)
+    assert lean.prepacked == _mkldnn_available()
+    assert_same(play(lean, script), play(HFForward(llama32), script), atol=2e-4)
+
+
+def test_cache_grows_and_length_tracks(llama64):
+    """Past the initial capacity (512) the cache doubles and keeps its contents."""
+    rng = random.Random(3)
+    script = [("run", [rng.randrange(VOCAB) for _ in range(300)], None, None),
+              ("run", [rng.randrange(VOCAB) for _ in range(250)], None, None)]
+    parents = random_tree(rng, 9)
+    script.append(("tree", [rng.randrange(VOCAB) for _ in range(9)], parents, root_path(parents, 8)))
+    script.append(("run", [rng.randrange(VOCAB)], None, [0]))
+    lean, hf = LeanForward(llama64), HFForward(llama64)
+    assert_same(play(lean, script), play(hf, script), atol=1e-9)
+    assert lean.length == hf.length == 550 + len(root_path(parents, 8)) + 1
+
+
+def test_keep_identity_path_is_truncation(llama64):
+    lean = LeanForward(llama64)
+    lean.reset()
+    lean(list(range(10)))
+    before = lean.kv[:, :, :, :10].clone()
+    lean(list(range(20, 25)))
+    lean.keep([0, 1, 2])
+    assert lean.length == 13
+    assert torch.equal(lean.kv[:, :, :, :10], before)
+
+
+# ---- (2) every tree node equals a plain forward over its root path ---------------------------------------
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_nodes_equal_plain_forward(llama64, seed):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(17)]
+    n = 12
+    parents = random_tree(rng, n)
+    tokens = [rng.randrange(VOCAB) for _ in range(n)]
+    allowed, depths = tree_tensors(parents)
+    lean = LeanForward(llama64)
+    lean.reset()
+    with torch.inference_mode():
+        lean(prefix)
+        logits = lean(tokens, depths, allowed)  # [n, vocab]
+        for i in range(n):
+            seq = prefix + [tokens[j] for j in root_path(parents, i)]
+            ref = llama64(torch.tensor([seq])).logits[0, -1]
+            assert (logits[i] - ref).abs().max().item() <= 1e-9, i
+
+
+# ---- (3) lossless: every method equals greedy generate ------------------------------------------------------
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                             max_new_tokens=max_new_tokens, eos_token_id=EOS, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+prompts = st.one_of(
+    st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=40),  # random
+    st.tuples(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=6), st.integers(2, 8))
+    .map(lambda t: (t[0] * t[1])[:48]),  # repetitive: a short pattern repeated
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(prompt=prompts, n_new=st.integers(1, 40))
+def test_decoder_with_lean_equals_generate(llama64, prompt, n_new):
+    ref = hf_greedy(llama64, prompt, n_new)
+    lean = LeanForward(llama64)  # one forward shared by all methods (reset per request)
+    for method in ("ar", "pld", "tr", "goose-paper"):
+        out, _ = Decoder(llama64, None, method, forward=lean).generate_ids(prompt, DecodeConfig(n_new))
+        assert out == ref, method
+
+
+# ---- (4) oneDNN prepacked weights and the F.linear fallback agree ----------------------------------------
+@pytest.mark.skipif(not _mkldnn_available(), reason="torch built without mkldnn ops")
+def test_prepacked_equals_fallback(llama32):
+    script = call_script(11)
+    packed, plain = LeanForward(llama32), LeanForward(llama32, prepack=False)
+    packed_only = LeanForward(llama32, gemv=False)  # oneDNN for single rows too
+    assert packed.prepacked and packed.gemv and not plain.prepacked and not packed_only.gemv
+    ref = play(plain, script)
+    assert_same(play(packed, script), ref, atol=1e-4)
+    assert_same(play(packed_only, script), ref, atol=1e-4)
+
+
+def test_prepack_refused_for_float64(llama64):
+    with pytest.raises(GooseError):
+        LeanForward(llama64, prepack=True)
+
+
+# ---- (5) unsupported models are refused clearly ------------------------------------------------------------
+def test_unsupported_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    assert not supports(model)
+    with pytest.raises(GooseError, match="gpt2"):
+        LeanForward(model)
+
+
+def test_unsupported_sliding_window_and_activation():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    assert not supports(MistralForCausalLM(MistralConfig(sliding_window=256, **cfg)))
+    assert supports(MistralForCausalLM(MistralConfig(sliding_window=None, **cfg)))
+    assert not supports(tiny_llama(layers=1, hidden_act="gelu"))
+
+
+# ---- other supported structures ----------------------------------------------------------------------------
+def test_llama_with_biases_matches_hf():
+    model = tiny_llama(layers=2, attention_bias=True, mlp_bias=True)
+    script = call_script(5, steps=8)
+    assert_same(play(LeanForward(model), script), play(HFForward(model), script), atol=1e-9)
+
+
+def test_qwen2_matches_hf_and_generate():
+    model = tiny_qwen2()
+    assert supports(model)
+    script = call_script(4, steps=8)
+    assert_same(play(LeanForward(model), script), play(HFForward(model), script), atol=1e-9)
+    prompt = [5, 9, 14, 5, 9, 14, 5, 9]
+    out, _ = Decoder(model, None, "goose-paper", forward=LeanForward(model)).generate_ids(prompt, DecodeConfig(30))
+    ref = hf_greedy(model, prompt, 30)
+    assert out == ref
+
+
+def test_rope_scaling_variant_matches_hf():
+    """RoPE comes from the model's own rotary module, so scaled variants are exact too."""
+    model = tiny_llama(layers=2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    script = call_script(6, steps=6)
+    assert_same(play(LeanForward(model), script), play(HFForward(model), script), atol=1e-9)
