@@ -55,6 +55,19 @@ def context_limit(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
+class _StageClock:
+    """Adds the milliseconds since the previous call to `stages[name]` (per-stage step profile)."""
+
+    def __init__(self, stages: dict[str, float]) -> None:
+        self.stages = stages
+        self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stages[name] = self.stages.get(name, 0.0) + (now - self.last) * 1e3
+        self.last = now
+
+
 def default_forward(model):
     """The fast Llama-family forward where it applies, else the generic Hugging Face one."""
     return LeanForward(model) if lean_supports(model) else HFForward(model)
@@ -119,21 +132,26 @@ class Decoder:
         out = [int(logits[-1].argmax())]
         method.begin(prompt + out)
         limit = context_limit(self.model)
+        clock = _StageClock(stats.stage_ms)
         while len(out) < cfg.max_new_tokens and out[-1] not in eos:
             anchor = out[-1]
             prev_anchor = out[-2] if len(out) > 1 else prompt[-1]
             tree = method.draft(anchor, prev_anchor)  # 1. draft + build
             if limit is not None:
                 tree = tree.within_depth(limit - 1 - fwd.length)
-            if len(tree) == 1 or is_chain(tree):  # 2-3. tensorize + forward
-                logits = fwd(tree.tokens)
-            else:
-                logits = fwd(tree.tokens, tree_depths(tree), ancestor_mask(tree))
+            clock("draft")
+            tree_args = () if len(tree) == 1 or is_chain(tree) else (tree_depths(tree), ancestor_mask(tree))
+            clock("tensorize")  # 2. tensorize (chains need no mask)
+            logits = fwd(tree.tokens, *tree_args)  # 3. forward: [n, vocab]
+            clock("forward")
             walk = greedy_walk(tree, logits.argmax(-1).tolist())  # 4. verify
+            clock("verify")
             fwd.keep(walk.path)  # 5. compact KV
+            clock("compact")
             prevs = [prev_anchor] + [tree.tokens[p] for p in tree.parents[1:]]
             method.harvest(tree.tokens, prevs, logits)  # 6. harvest
             method.observe(tree, walk)
+            clock("harvest")
             new = [tree.tokens[i] for i in walk.path[1:]] + [walk.bonus]  # 7. commit
             new = new[: cfg.max_new_tokens - len(out)]
             for i, t in enumerate(new):
@@ -143,6 +161,7 @@ class Decoder:
             out.extend(new)
             method.commit(new)
             stats.record_step(tree, walk)
+            clock("commit")
         stats.new_tokens = len(out)
         stats.wall_time_s = time.perf_counter() - t0
         return out, stats

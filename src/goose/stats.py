@@ -23,6 +23,8 @@ class Stats:
     accept_lengths: list[int] = field(default_factory=list)  # draft tokens accepted per decoding step
     tree_sizes: list[int] = field(default_factory=list)  # nodes verified per decoding step (root included)
     routes: dict[str, int] = field(default_factory=lambda: {"tree": 0, "chain": 0, "ar": 0})
+    # milliseconds spent per step stage (draft, tensorize, forward, verify, compact, harvest, commit)
+    stage_ms: dict[str, float] = field(default_factory=dict)
     # per source, per depth (index 0 = depth 1): drafted and accepted node counts
     depth_drafted: dict[str, list[int]] = field(default_factory=lambda: {"spine": [], "branch": []})
     depth_accepted: dict[str, list[int]] = field(default_factory=lambda: {"spine": [], "branch": []})

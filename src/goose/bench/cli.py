@@ -168,5 +168,5 @@ def register(sub) -> None:
     d = sub.add_parser("demo", help=f"a short bench on {DEFAULT_MODEL}: HumanEval and Spec-Bench categories "
                                     f"(built-in prompts without the Spec-Bench file)")
     d.add_argument("--limit", type=int, default=2, help="prompts per category (default 2)")
-    _common(d, 64, "runs/demo", DEMO_METHODS)
+    _common(d, 48, "runs/demo", DEMO_METHODS)
     d.set_defaults(func=cmd_demo)

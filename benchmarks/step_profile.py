@@ -1,0 +1,88 @@
+"""Per-stage time of one decoding step (draft, tensorize, forward, verify, compact, harvest, commit).
+
+Runs each method on a few Spec-Bench questions (chat template) with the generic Hugging Face forward and
+with the lean forward, and prints ms per step by stage and the share of the step spent outside the
+forward. A long-prompt run shows that drafting cost does not grow with the context (incremental
+indexes, no rescans).
+
+    python benchmarks/step_profile.py [--model smollm2-135m] [--methods ar,goose] [--max-new-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from goose.decoding import Decoder
+from goose.forward import HFForward
+from goose.lean import LeanForward
+from goose.lean import supports as lean_supports
+from goose.model import load_model
+
+STAGES = ("draft", "tensorize", "forward", "verify", "compact", "harvest", "commit")
+SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+def prompts(n: int) -> list[str]:
+    if SPEC.is_file():
+        rows = [json.loads(line) for line in SPEC.open()]
+        picked, seen = [], set()
+        for r in rows:
+            if r["category"] not in seen:
+                seen.add(r["category"])
+                picked.append(r["turns"][0])
+        return picked[:n]
+    return ["Write a Python function that reverses a linked list.", "Explain how tides work."][:n]
+
+
+def profile(dec: Decoder, texts: list[str], max_new: int, chat: bool = True) -> tuple[dict, int, float]:
+    stages = dict.fromkeys(STAGES, 0.0)
+    steps = tokens = 0
+    wall = 0.0
+    dec.generate(texts[0], 8, chat=chat)  # warm-up
+    for text in texts:
+        res = dec.generate(text, max_new, chat=chat)
+        for k, v in res.stats.stage_ms.items():
+            stages[k] += v
+        steps += len(res.stats.tree_sizes)
+        tokens += res.stats.new_tokens
+        wall += res.stats.wall_time_s
+    return {k: v / max(1, steps) for k, v in stages.items()}, tokens, wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--methods", default="ar,goose")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--long-prompt-tokens", type=int, default=4000)
+    args = ap.parse_args()
+    model, tok = load_model(args.model)
+    texts = prompts(args.prompts)
+    backends = {"hf": HFForward}
+    if lean_supports(model):
+        backends["lean"] = LeanForward
+    print(f"{'method':12} {'forward':8} " + " ".join(f"{s:>9}" for s in STAGES) + f" {'outside%':>9} {'tok/s':>7}")
+    for method in args.methods.split(","):
+        for name, cls in backends.items():
+            per_step, tokens, wall = profile(Decoder(model, tok, method, forward=cls(model)), texts,
+                                             args.max_new_tokens)
+            total = sum(per_step.values())
+            outside = 100.0 * (total - per_step["forward"]) / total if total else 0.0
+            print(f"{method:12} {name:8} " + " ".join(f"{per_step[s]:9.2f}" for s in STAGES)
+                  + f" {outside:9.1f} {tokens / wall:7.1f}")
+    # drafting cost vs context length: same method, a short and a ~4k-token prompt
+    base = "def f(x):\n    return x + 1\n"
+    long_text = (base * (args.long_prompt_tokens // max(1, len(tok(base)["input_ids"])) + 1))
+    for label, text in (("short", base * 4), ("long", long_text)):
+        dec = Decoder(model, tok, "goose")
+        res = dec.generate(text, 32)
+        steps = max(1, len(res.stats.tree_sizes))
+        print(f"goose draft ms/step with a {label} prompt ({res.stats.prompt_tokens} tokens): "
+              f"{res.stats.stage_ms.get('draft', 0.0) / steps:.2f}  (harvest {res.stats.stage_ms.get('harvest', 0.0) / steps:.2f})")
+
+
+if __name__ == "__main__":
+    main()
