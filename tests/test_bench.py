@@ -18,7 +18,8 @@ from goose.errors import GooseError
 METHODS = ["pld", "tr", "goose", "hf-ar", "hf-pld"]  # `ar` is added by the runner
 QUESTIONS = [BUILTIN[0], BUILTIN[2], BUILTIN[3]]  # coding, writing (two turns), qa
 MAX_NEW = 12
-PLOTS = ("speedup_by_category.png", "tau_by_category.png", "accept_length_hist.png", "acceptance_by_depth.png")
+PLOTS = ("speedup_by_category.png", "tau_by_category.png", "accept_length_hist.png", "tree_size_hist.png",
+         "acceptance_by_depth.png")
 METRICS = ("questions", "turns", "new_tokens", "wall_time_s", "tokens_per_s", "speedup_vs_ar", "speedup_vs_hf_ar",
            "tau", "mat", "acceptance_rate_spine", "acceptance_rate_branch", "heterogeneity",
            "spine_continuation_share", "spine_continuation_token_share", "mean_tree_size", "lossless")

@@ -40,14 +40,16 @@ def _small_multiples(n: int):
     return fig, list(axes.flat[:n])
 
 
-def accept_histogram(summary: dict, path: Path) -> Path:
-    methods = [m for m in summary["methods"] if summary["detail"][m]["tokens_per_step_hist"]]
+def accept_histogram(summary: dict, path: Path, key: str = "tokens_per_step_hist",
+                     xlabel: str = "tokens per decoding step") -> Path:
+    """One histogram panel per method of a per-step quantity (tokens per step, or verified tree size)."""
+    methods = [m for m in summary["methods"] if summary["detail"][m].get(key)]
     fig, axes = _small_multiples(max(len(methods), 1))
     for ax, m in zip(axes, methods):
-        hist = summary["detail"][m]["tokens_per_step_hist"]
+        hist = summary["detail"][m][key]
         ax.bar([int(k) for k in hist], list(hist.values()))
         ax.set_title(f"{m} (MAT {summary['table'][m][ALL]['mat'] or 0:.2f})", fontsize=9)
-        ax.set_xlabel("tokens per decoding step")
+        ax.set_xlabel(xlabel)
     if not methods:
         axes[0].text(0.5, 0.5, "no per-step data", ha="center")
     fig.tight_layout()
@@ -85,5 +87,6 @@ def write_plots(summary: dict, out: Path) -> list[Path]:
         _grouped_bars(summary, "speedup_vs_ar", "speedup vs ar (tokens/s ratio)", out / "speedup_by_category.png", 1.0),
         _grouped_bars(summary, "tau", "τ (tokens per forward)", out / "tau_by_category.png", 1.0),
         accept_histogram(summary, out / "accept_length_hist.png"),
+        accept_histogram(summary, out / "tree_size_hist.png", "tree_size_hist", "nodes verified per step"),
         depth_acceptance(summary, out / "acceptance_by_depth.png"),
     ]

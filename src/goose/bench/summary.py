@@ -52,9 +52,10 @@ def aggregate(rows: list[dict]) -> dict:
 
 
 def detail(rows: list[dict]) -> dict:
-    """Per-method distributions for the plots: tokens per step, and acceptance by depth per source."""
+    """Per-method distributions for the plots: tokens per step, verified tree sizes, acceptance by depth."""
     st = [s for r in rows for s in r["stats"]]
     hist = Counter(a + 1 for s in st for a in (s.get("accept_lengths") or []))
+    sizes = Counter(n for s in st for n in (s.get("tree_sizes") or []))
     depth = {}
     for src in SOURCES:
         drafted, accepted = [], []
@@ -68,7 +69,8 @@ def detail(rows: list[dict]) -> dict:
                 drafted[i] += d
                 accepted[i] += a
         depth[src] = {"drafted": drafted, "accepted": accepted}
-    return {"tokens_per_step_hist": {str(k): hist[k] for k in sorted(hist)}, "depth": depth}
+    return {"tokens_per_step_hist": {str(k): hist[k] for k in sorted(hist)},
+            "tree_size_hist": {str(k): sizes[k] for k in sorted(sizes)}, "depth": depth}
 
 
 def summarize(out: Path) -> dict:
