@@ -24,20 +24,14 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from goose.forward import HFForward
 from goose.lean import LeanForward
 from goose.model import load_model
+from goose.tree_tensors import parent_tensors
 
 
 def random_tree(rng: random.Random, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft-like tree of n nodes: a spine of about n/2 nodes with random branches. (allowed, depths)."""
     spine = max(1, n // 2)
     parents = [-1] + [i - 1 for i in range(1, spine)] + [rng.randrange(i) for i in range(spine, n)]
-    allowed = torch.zeros(n, n, dtype=torch.bool)  # [n, n]
-    depth = [0] * n
-    for i, p in enumerate(parents):
-        if p >= 0:
-            allowed[i] = allowed[p]
-            depth[i] = depth[p] + 1
-        allowed[i, i] = True
-    return allowed, torch.tensor(depth)
+    return parent_tensors(parents)
 
 
 def time_call(fwd, tokens, tree) -> float:

@@ -18,6 +18,7 @@ from goose.decoding import Decoder
 from goose.errors import GooseError
 from goose.forward import HFForward
 from goose.lean import LeanForward, _mkldnn_available, supports
+from goose.tree_tensors import parent_tensors
 
 VOCAB = 128
 EOS = 2
@@ -85,15 +86,7 @@ def random_tree(rng: random.Random, n: int) -> list[int]:
 
 
 def tree_tensors(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    n = len(parents)
-    allowed = torch.zeros(n, n, dtype=torch.bool)  # [n, n]
-    depth = [0] * n
-    for i, p in enumerate(parents):
-        if p >= 0:
-            allowed[i] = allowed[p]
-            depth[i] = depth[p] + 1
-        allowed[i, i] = True
-    return allowed, torch.tensor(depth)
+    return parent_tensors(parents)
 
 
 def root_path(parents: list[int], node: int) -> list[int]:

@@ -127,7 +127,7 @@ def test_tr_tree_on_unobserved_anchor_is_an_ar_step():
 def test_isotropic_tree_width_and_depth():
     adj = full_table()
     for k in (3, 5):
-        cfg = IsotropicConfig(width=k, budget=60)
+        cfg = IsotropicConfig(width=k)
         tree = build_isotropic_tree(5, 4, list(range(100, 120)), 60, adj, cfg)
         check_invariants(tree, 60)
         assert max(len(c) for c in tree.children) <= k

@@ -63,7 +63,6 @@ class IsotropicConfig:
     """The paper's balanced control: every node gets up to `width` children (spec §5)."""
 
     width: int = 3
-    budget: int = 60
     min_score: float = 0.01
     max_depth: int = 6
 

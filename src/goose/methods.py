@@ -142,7 +142,7 @@ class Isotropic(GoosePaper):
 
     def __init__(self, vocab_size: int, width: int, cfg: GooseConfig = GooseConfig()) -> None:
         super().__init__(vocab_size, cfg)
-        self.iso = IsotropicConfig(width=width, budget=cfg.tree.budget, min_score=cfg.tree.min_score,
+        self.iso = IsotropicConfig(width=width, min_score=cfg.tree.min_score,
                                    max_depth=cfg.tree.max_branch_depth)
         self.name = f"iso{width}"
 

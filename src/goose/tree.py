@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ROOT, SPINE, BRANCH = 0, 1, 2
-SOURCE_NAMES = {ROOT: "root", SPINE: "spine", BRANCH: "branch"}
 
 
 @dataclass

@@ -36,6 +36,14 @@ def _tree_tensors(parents: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor,
     return allowed, torch.tensor(depth, dtype=torch.long), is_chain
 
 
+def parent_tensors(parents: list[int] | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(allowed ``[n, n]``, depths ``[n]``) for a tree given by parent indices (root first, parent -1).
+
+    The tensors are cached and shared: do not modify them."""
+    allowed, depths, _ = _tree_tensors(tuple(parents))
+    return allowed, depths
+
+
 def ancestor_mask(tree: DraftTree) -> torch.Tensor:
     """[n, n] bool: allowed[i, j] iff node j is node i or one of its ancestors."""
     return _tree_tensors(tree.topology())[0]
