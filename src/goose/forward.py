@@ -26,11 +26,25 @@ def check_attention(model) -> None:
         )
 
 
+def active_sliding_window(config) -> int | None:
+    """The sliding-window length if some layer attends through one shorter than the context, else None."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or (types is not None and not any("sliding" in str(t) for t in types)):
+        return None
+    limit = getattr(config, "max_position_embeddings", None)
+    return window if limit is None or window < limit else None
+
+
 class HFForward:
     """Generic forward over a Hugging Face model and its DynamicCache."""
 
     def __init__(self, model) -> None:
         check_attention(model)
+        window = active_sliding_window(model.config)
+        if window is not None:  # one 4D tree mask would also reach the sliding layers: wrong past the window
+            raise GooseError(f"sliding-window attention ({window} tokens, model type "
+                             f"'{getattr(model.config, 'model_type', '?')}') is not supported yet")
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
