@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import GooseError
+from .forward import active_sliding_window
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 INITIAL_CAPACITY = 512  # cache slots per layer before the first doubling
@@ -73,8 +74,8 @@ def unsupported_reason(model) -> str | None:
         return "lm_head / embed_tokens are not plain nn.Linear / nn.Embedding"
     if getattr(cfg, "hidden_act", None) != "silu":
         return f"activation '{getattr(cfg, 'hidden_act', None)}' is not silu"
-    window = getattr(cfg, "sliding_window", None)
-    if window is not None and window < getattr(cfg, "max_position_embeddings", float("inf")):
+    window = active_sliding_window(cfg)
+    if window is not None:
         return f"sliding-window attention ({window} tokens) is not implemented"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1 is not implemented"

@@ -7,14 +7,12 @@ position) and `commit` (tokens accepted). `observe` sees each verification resul
 
 from __future__ import annotations
 
-
-
 from .acceptance import SHORT, AcceptanceModel, match_kind
 from .adjacency import AdjacencyTable
 from .baselines import build_chain, build_isotropic_tree, build_tr_tree
 from .config import AdjacencyConfig, GooseConfig, IsotropicConfig, PLDConfig, TRConfig
-from .errors import GooseError
 from .costmodel import CostCurve, load_or_measure
+from .errors import GooseError
 from .ngram import NgramIndex
 from .selector import select
 from .spine import build_spine_tree, tree_budget
@@ -160,7 +158,6 @@ class DeviceAwareGoose(GoosePaper):
     def __init__(self, vocab_size: int, cfg: GooseConfig = GooseConfig(), cost: CostCurve | None = None) -> None:
         super().__init__(vocab_size, cfg)
         self.acc = AcceptanceModel(cfg.device_aware.acceptance)
-        self.cost = cost
         self._kind = SHORT
         self._set_cost(cost)
 

@@ -12,6 +12,13 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 from .summary import ALL  # noqa: E402
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _grouped_bars(summary: dict, key: str, ylabel: str, path: Path, baseline: float | None = None) -> Path:
     methods, cats = summary["methods"], summary["categories"]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cats) + 2), 4))
@@ -25,10 +32,7 @@ def _grouped_bars(summary: dict, key: str, ylabel: str, path: Path, baseline: fl
     ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _small_multiples(n: int):
@@ -52,10 +56,7 @@ def accept_histogram(summary: dict, path: Path, key: str = "tokens_per_step_hist
         ax.set_xlabel(xlabel)
     if not methods:
         axes[0].text(0.5, 0.5, "no per-step data", ha="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def depth_acceptance(summary: dict, path: Path) -> Path:
@@ -76,10 +77,7 @@ def depth_acceptance(summary: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
     if not methods:
         axes[0].text(0.5, 0.5, "no drafted nodes", ha="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def write_plots(summary: dict, out: Path) -> list[Path]:
