@@ -91,3 +91,36 @@ def test_context_overflow_and_missing_chat_template(tiny_dir, capsys):
 def test_python_dash_m_entry_point():
     res = subprocess.run([sys.executable, "-m", "goose", "--help"], capture_output=True, text=True)
     assert res.returncode == 0 and "generate" in res.stdout
+
+
+def test_stream_prints_the_same_text_as_generate(tiny_dir, capsys):
+    base = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "30", "--method", "goose", "a b a b a b"]
+    for extra in ([], ["--temperature", "0.9", "--top-p", "0.95", "--seed", "4"]):
+        code, plain, err = run(base + extra, capsys)
+        assert code == 0, err
+        code, streamed, err = run(base + extra + ["--stream"], capsys)
+        assert code == 0, err
+        assert streamed == plain
+
+
+def test_sampled_json_is_reproducible_and_verified(tiny_dir, capsys):
+    argv = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "20", "--json", "--verify",
+            "--temperature", "1.2", "--top-k", "20", "--seed", "7", "hello hello hello"]
+    outs = []
+    for _ in range(2):
+        code, out, err = run(argv, capsys)
+        assert code == 0, err
+        outs.append(json.loads(out))
+    assert outs[0]["lossless"] is True  # same seed: same tokens as ar
+    assert outs[0]["token_ids"] == outs[1]["token_ids"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--top-p", "1.5", "--temperature", "1"], "top_p must be in (0, 1]"),
+    (["--top-k", "5"], "need sampling"),
+    (["--temperature", "-1"], "must be >= 0"),
+    (["--stream", "--json"], "cannot be combined"),
+])
+def test_bad_sampling_options_fail_before_loading(argv, needle, capsys):
+    code, _, err = run(["generate", "--model", "/no/such/dir", "hi"] + argv, capsys)
+    assert code == 2 and needle in err and "unknown model" not in err

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from .config import DecodeConfig
 from .errors import GooseError
 from .methods import METHODS
 from .model import DEFAULT_MODEL, PACKAGED
@@ -37,6 +38,26 @@ def method_name(text: str) -> str:
     if text not in METHODS:
         raise argparse.ArgumentTypeError(f"unknown method '{text}'; choose one of: {', '.join(METHODS)}")
     return text
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def sampling_options(args) -> dict:
+    """DecodeConfig sampling fields from --temperature / --top-k / --top-p / --seed (temperature 0: greedy)."""
+    if args.temperature == 0:
+        if args.top_k is not None or args.top_p is not None:
+            raise GooseError("--top-k / --top-p need sampling: give --temperature > 0")
+        return {}
+    return {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "seed": args.seed}
 
 
 def _read_prompt(args) -> str:
@@ -73,16 +94,25 @@ def cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     if not prompt.strip():
         raise GooseError("the prompt is empty")
+    if args.stream and args.json:
+        raise GooseError("--stream prints text as it is accepted; it cannot be combined with --json")
+    options = sampling_options(args)
+    DecodeConfig(max_new_tokens=args.max_new_tokens, **options)  # bad values fail before the model loads
     model, tok = load_model(args.model, args.dtype, args.device)
     dec = Decoder(model, tok, args.method)
     ids = dec.encode(prompt, chat=args.chat)
-    res = dec.generate(ids, args.max_new_tokens)
+    if args.stream:
+        for piece in dec.stream(ids, args.max_new_tokens, **options):
+            print(piece, end="", flush=True)
+        print()
+        return 0
+    res = dec.generate(ids, args.max_new_tokens, **options)
     if not args.json:
         print(res.text)
         return 0
     payload = res.to_dict()
     if args.verify:
-        ref = Decoder(model, tok, "ar").generate(ids, args.max_new_tokens).token_ids
+        ref = Decoder(model, tok, "ar").generate(ids, args.max_new_tokens, **options).token_ids
         payload["lossless"] = ref == res.token_ids
         if ref != res.token_ids:
             payload["mismatch"] = first_mismatch(model, ids, ref, res.token_ids)
@@ -139,7 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=positive_int, default=128, help="default 128")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
-    g.add_argument("--verify", action="store_true", help="with --json: also run ar and report losslessness")
+    g.add_argument("--verify", action="store_true",
+                   help="with --json: also run ar (same sampling options and seed) and report token identity")
+    g.add_argument("--stream", action="store_true", help="print the text as it is accepted")
+    g.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="0 (default): greedy; > 0: sample at this temperature (lossless: same distribution)")
+    g.add_argument("--top-k", type=positive_int, default=None, help="sample from the k most likely tokens only")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep probability mass top-p (0, 1]")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0): same seed, same text")
     g.set_defaults(func=cmd_generate)
     pr = sub.add_parser("profile", help="measure (or show the cached) forward cost curve of a model")
     add_model_args(pr)

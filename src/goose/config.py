@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .errors import GooseError
+
 
 @dataclass(frozen=True)
 class NgramConfig:
@@ -141,13 +143,29 @@ class GooseConfig:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Per-request options shared by every method."""
+    """Per-request options shared by every method.
+
+    Greedy by default. With ``do_sample=True`` each emitted token is sampled from the target's distribution
+    after temperature, then top-k, then top-p (the order Hugging Face applies them); every method then
+    produces exactly the distribution of plain sampling, and with a ``seed`` the same tokens as ``ar``.
+    """
 
     max_new_tokens: int = 128
     prefill_chunk: int = 512  # prompt tokens per prefill forward (bounds the logits held at once)
+    do_sample: bool = False
+    temperature: float = 1.0  # > 0; only used when sampling
+    top_k: int | None = None  # keep the k most likely tokens (None or 0: off)
+    top_p: float | None = None  # keep the smallest set with probability >= top_p (None or 1.0: off)
+    seed: int | None = None  # sampling seed (None: torch's global generator)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise GooseError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.prefill_chunk < 1:
-            raise ValueError("prefill_chunk must be >= 1")
+            raise GooseError("prefill_chunk must be >= 1")
+        if not self.temperature > 0:
+            raise GooseError(f"temperature must be > 0, got {self.temperature} (use do_sample=False for greedy)")
+        if self.top_k is not None and self.top_k < 0:
+            raise GooseError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise GooseError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -4,7 +4,7 @@ Every method runs through the same recipe each step:
   1. draft + build   the method returns a DraftTree rooted at the anchor
   2. tensorize        ancestor mask and depths (cached per topology; none for chains)
   3. forward          one target pass over the tree on top of the KV cache
-  4. verify           greedy walk: the longest path the target agrees with, plus a bonus token
+  4. verify           walk: the longest path whose tokens the target picks (argmax or sample), plus its next token
   5. compact KV       keep the prefix, the root and the accepted path
   6. harvest          the method learns from the logits of every verified node
   7. commit           accepted tokens + bonus (cut at the first stop token and at max_new_tokens)
@@ -26,7 +26,7 @@ from .lean import supports as lean_supports
 from .methods import Method, make_method
 from .stats import Stats
 from .tree_tensors import ancestor_mask, is_chain, tree_depths
-from .verify import greedy_walk
+from .sampling import Chooser
 
 
 @dataclass
@@ -85,6 +85,7 @@ class Decoder:
         self.forward = forward if forward is not None else default_forward(model)
         self.method.prepare(model, self.forward)
         self.eos = eos_ids(model, tokenizer)
+        self.device = next(model.parameters()).device
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         if self.tokenizer is None:
@@ -101,11 +102,38 @@ class Decoder:
             return list(ids)
         return self.tokenizer(prompt)["input_ids"]
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False) -> GenerationResult:
+    def _request(self, prompt: str | list[int], chat: bool, options: dict) -> tuple[list[int], DecodeConfig]:
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
-        out, stats = self.generate_ids(ids, DecodeConfig(max_new_tokens=max_new_tokens))
-        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationResult(text, out, stats)
+        return ids, DecodeConfig(**options)
+
+    def _text(self, ids: list[int]) -> str | None:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False, *,
+                 streamer=None, **options) -> GenerationResult:
+        """Generate for one prompt (text or token ids). `options` are DecodeConfig fields (do_sample,
+        temperature, top_k, top_p, seed, prefill_chunk). `streamer`: a Hugging Face streamer (TextStreamer,
+        TextIteratorStreamer, ...) that receives the prompt ids, then each accepted block, then end()."""
+        ids, cfg = self._request(prompt, chat, dict(options, max_new_tokens=max_new_tokens))
+        on_tokens = None
+        if streamer is not None:
+            streamer.put(torch.tensor(ids))
+            on_tokens = lambda block: streamer.put(torch.tensor(block))  # noqa: E731
+        try:
+            out, stats = self.generate_ids(ids, cfg, on_tokens=on_tokens)
+        finally:
+            if streamer is not None:
+                streamer.end()
+        return GenerationResult(self._text(out), out, stats)
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, chat: bool = False,
+               **options) -> "TextStream":
+        """Iterate over text pieces as they are accepted; afterwards `.result` holds the GenerationResult.
+        The pieces concatenate to exactly the text `generate` returns."""
+        if self.tokenizer is None:
+            raise GooseError("streaming text needs a tokenizer")
+        ids, cfg = self._request(prompt, chat, dict(options, max_new_tokens=max_new_tokens))
+        return TextStream(self, ids, cfg)
 
     def _check(self, prompt: list[int], cfg: DecodeConfig) -> None:
         if not prompt:
@@ -115,11 +143,29 @@ class Decoder:
             raise GooseError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds "
                              f"the model's context of {limit} tokens")
 
-    @torch.inference_mode()
-    def generate_ids(self, prompt: list[int], cfg: DecodeConfig = DecodeConfig()) -> tuple[list[int], Stats]:
-        self._check(prompt, cfg)
-        fwd, method, eos = self.forward, self.method, self.eos
+    def generate_ids(self, prompt: list[int], cfg: DecodeConfig = DecodeConfig(), chooser: Chooser | None = None,
+                     stop=None, on_tokens=None, eos: set[int] | None = None) -> tuple[list[int], Stats]:
+        """Token ids in, generated token ids and stats out.
+
+        chooser: how each token is picked (default: from `cfg`, greedy or sampling). stop(tokens) -> bool is
+        asked after every generated token (tokens = all generated so far) and ends generation there, like the
+        stop tokens. on_tokens(block) receives each committed block as it is accepted. eos: the stop token ids
+        (default: the model's).
+        """
+        out: list[int] = []
         stats = Stats(prompt_tokens=len(prompt))
+        for block in self._decode(prompt, cfg, chooser or Chooser.for_config(cfg, self.device), stop, stats,
+                                  self.eos if eos is None else eos):
+            out.extend(block)
+            if on_tokens is not None:
+                on_tokens(block)
+        return out, stats
+
+    @torch.inference_mode()
+    def _decode(self, prompt: list[int], cfg: DecodeConfig, chooser: Chooser, stop, stats: Stats, eos: set[int]):
+        """The step loop; yields each committed block of tokens and fills `stats`."""
+        self._check(prompt, cfg)
+        fwd, method = self.forward, self.method
         t0 = time.perf_counter()
         fwd.reset()
         prev = -1
@@ -129,11 +175,28 @@ class Decoder:
             method.harvest(chunk, [prev] + chunk[:-1], logits)
             prev = chunk[-1]
         stats.forward_calls = 1
-        out = [int(logits[-1].argmax())]
+        out: list[int] = []
+
+        def commit(new: list[int]) -> bool:
+            """Append `new`, cut at max_new_tokens, a stop token or `stop`; True when generation is over."""
+            new = new[: cfg.max_new_tokens - len(out)]
+            done = len(out) + len(new) >= cfg.max_new_tokens
+            for i, t in enumerate(new):
+                if t in eos or (stop is not None and stop(out + new[: i + 1])):
+                    new, done = new[: i + 1], True
+                    break
+            out.extend(new)
+            stats.new_tokens = len(out)
+            stats.wall_time_s = time.perf_counter() - t0
+            return done
+
+        first = [chooser.first(logits[-1], prompt)]
+        done = commit(first)
+        yield first
         method.begin(prompt + out)
         limit = context_limit(self.model)
         clock = _StageClock(stats.stage_ms)
-        while len(out) < cfg.max_new_tokens and out[-1] not in eos:
+        while not done:
             anchor = out[-1]
             prev_anchor = out[-2] if len(out) > 1 else prompt[-1]
             tree = method.draft(anchor, prev_anchor)  # 1. draft + build
@@ -144,7 +207,7 @@ class Decoder:
             clock("tensorize")  # 2. tensorize (chains need no mask)
             logits = fwd(tree.tokens, *tree_args)  # 3. forward: [n, vocab]
             clock("forward")
-            walk = greedy_walk(tree, logits.argmax(-1).tolist())  # 4. verify
+            walk = chooser.walk(tree, logits, prompt + out)  # 4. verify
             clock("verify")
             fwd.keep(walk.path)  # 5. compact KV
             clock("compact")
@@ -152,22 +215,45 @@ class Decoder:
             method.harvest(tree.tokens, prevs, logits)  # 6. harvest
             method.observe(tree, walk)
             clock("harvest")
-            new = [tree.tokens[i] for i in walk.path[1:]] + [walk.bonus]  # 7. commit
-            new = new[: cfg.max_new_tokens - len(out)]
-            for i, t in enumerate(new):
-                if t in eos:
-                    new = new[: i + 1]
-                    break
-            out.extend(new)
+            before = len(out)
+            done = commit([tree.tokens[i] for i in walk.path[1:]] + [walk.bonus])  # 7. commit
+            new = out[before:]
             method.commit(new)
             stats.record_step(tree, walk)
             clock("commit")
-        stats.new_tokens = len(out)
+            yield new
         stats.wall_time_s = time.perf_counter() - t0
-        return out, stats
+
+
+class TextStream:
+    """Iterator of text pieces for one request (see Decoder.stream). A piece is held back while the text
+    ends inside a multi-byte character; each piece is the new suffix of the decoded text."""
+
+    def __init__(self, decoder: Decoder, prompt: list[int], cfg: DecodeConfig) -> None:
+        self.decoder, self.prompt, self.cfg = decoder, prompt, cfg
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        dec = self.decoder
+        out: list[int] = []
+        stats = Stats(prompt_tokens=len(self.prompt))
+        shown = ""
+        chooser = Chooser.for_config(self.cfg, dec.device)
+        for block in dec._decode(self.prompt, self.cfg, chooser, None, stats, dec.eos):
+            out.extend(block)
+            text = dec._text(out)
+            if not text.endswith("\ufffd") and text.startswith(shown) and len(text) > len(shown):
+                yield text[len(shown):]
+                shown = text
+        text = dec._text(out)
+        if text != shown and text.startswith(shown):
+            yield text[len(shown):]
+        self.result = GenerationResult(text, out, stats)
 
 
 def generate(model, tokenizer, prompt_or_ids: str | list[int], method: str = "goose", max_new_tokens: int = 128,
-             chat: bool = False, config: GooseConfig | None = None) -> GenerationResult:
-    """One-shot convenience: build a Decoder and generate. Reuse a `Decoder` for many requests."""
-    return Decoder(model, tokenizer, method, config).generate(prompt_or_ids, max_new_tokens, chat)
+             chat: bool = False, config: GooseConfig | None = None, streamer=None, **options) -> GenerationResult:
+    """One-shot convenience: build a Decoder and generate (options: do_sample, temperature, top_k, top_p,
+    seed). Reuse a `Decoder` for many requests: it keeps the method's learned state and cost curve."""
+    return Decoder(model, tokenizer, method, config).generate(prompt_or_ids, max_new_tokens, chat,
+                                                              streamer=streamer, **options)
