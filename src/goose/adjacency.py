@@ -22,7 +22,7 @@ class AdjacencyTable:
     def __init__(self, vocab_size: int, cfg: AdjacencyConfig = AdjacencyConfig()) -> None:
         self.cfg = cfg
         self.vocab_size = vocab_size
-        k = cfg.top_k
+        self.k = k = min(cfg.top_k, vocab_size)  # a vocabulary smaller than top_k keeps every token
         self.ids = np.zeros((vocab_size, k), dtype=np.int64)  # [V, K]
         self.scores = np.zeros((vocab_size, k), dtype=np.float32)  # [V, K]
         self.observed = np.zeros(vocab_size, dtype=bool)  # [V]
@@ -51,9 +51,9 @@ class AdjacencyTable:
         n = len(tokens)
         if n == 0:
             return
-        k = self.cfg.top_k
+        k = self.k
         values, idx = torch.topk(logits.float(), k, dim=-1)  # [n, K] each
-        ids = idx.numpy()
+        values, ids = values.cpu(), idx.cpu().numpy()
         if self.cfg.with_scores:
             scores = torch.softmax(values, dim=-1).numpy()  # [n, K], over the K kept logits only
         else:

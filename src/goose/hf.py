@@ -59,13 +59,13 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
     gc = generation_config if generation_config is not None else model.generation_config
+    if (gc.num_beams or 1) > 1:
+        raise GooseError("goose does not do beam search: use num_beams=1")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise GooseError(f"goose decodes one sequence at a time; got input_ids of shape {tuple(input_ids.shape)}")
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise GooseError("padded inputs are not supported: pass one unpadded sequence")
-    if (gc.num_beams or 1) > 1:
-        raise GooseError("goose does not do beam search: use num_beams=1")
     for flag in ("output_attentions", "output_hidden_states"):
         if getattr(gc, flag, False):
             raise GooseError(f"{flag}=True is not supported by goose's custom_generate")

@@ -67,7 +67,7 @@ class _Brancher:
 
     def extend(self) -> None:
         """BFS over queued branch nodes: width = max(1, min(|succ|, ceil(remaining * score)))."""
-        k = self.adj.cfg.top_k
+        k = self.adj.k
         while self.queue and len(self.tree) < self.budget:
             node, depth, score = self.queue.popleft()
             if depth >= self.cfg.max_branch_depth:
