@@ -279,3 +279,27 @@ def test_cli_bench_on_a_model_directory(tiny, tmp_path, capsys):
     assert "2 questions already done" in capsys.readouterr().err
     assert main(argv[:-5] + ["--max-new-tokens", "7", "--out", str(out)]) == 2
     assert "max_new_tokens=6" in capsys.readouterr().err
+
+
+def test_sampled_bench_checks_goose_methods_and_leaves_hf_unchecked(tiny, tmp_path, capsys):
+    from goose.cli import main
+
+    model, tok = tiny
+    mdir = tmp_path / "model"
+    model.save_pretrained(mdir)
+    tok.save_pretrained(mdir)
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"id": "a", "category": "x", "turns": ["Write a short story about a robot"]}\n')
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(mdir), "--dataset", f"jsonl:{data}", "--methods", "pld,goose,hf-ar",
+            "--max-new-tokens", "8", "--out", str(out), "--no-progress", "--temperature", "1.5", "--top-p", "0.9",
+            "--seed", "3"]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    cells = {m: summary["table"][m]["all"] for m in ("ar", "pld", "goose", "hf-ar")}
+    assert all(cells[m]["lossless"] == cells[m]["checked"] == 1 for m in ("ar", "pld", "goose"))
+    assert cells["hf-ar"]["checked"] == 0
+    report = (out / "report.md").read_text()
+    assert "sampling (temperature 1.5, top-p 0.9, seed 3 per request)" in report and "n/a" in report
+    assert main(argv[:-6] + ["--out", str(out)]) == 2  # greedy into a sampled run directory is refused
+    assert "sampling=" in capsys.readouterr().err

@@ -64,3 +64,16 @@ def test_method_is_lossless_on_real_prompts(smollm, references, method):
         assert res.token_ids == ref, f"{method} on {name}: " + describe(model, ids, ref, res.token_ids)
         if method in ("goose", "goose-paper") and name == "code-edit":
             assert res.stats.tau > 1.5, f"tau {res.stats.tau:.2f} on the repetitive prompt"
+
+
+@pytest.mark.parametrize("method", ["pld", "goose"])
+def test_sampling_with_a_seed_gives_ar_tokens_and_streams_the_same_text(smollm, method):
+    model, tok = smollm
+    ar, dec = Decoder(model, tok, "ar"), Decoder(model, tok, method)
+    options = {"do_sample": True, "temperature": 0.7, "top_p": 0.95, "seed": 5}
+    for name in ("code-edit", "story"):
+        ids = dec.encode(PROMPTS[name], chat=True)
+        ref = ar.generate(ids, MAX_NEW, **options).token_ids
+        got = dec.generate(ids, MAX_NEW, **options)
+        assert got.token_ids == ref, f"{method} {name}: {first_mismatch(model, ids, ref, got.token_ids)}"
+        assert "".join(dec.stream(ids, MAX_NEW, **options)) == got.text

@@ -50,6 +50,14 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="0 (default): greedy; > 0: sample at this temperature (lossless: same distribution)")
+    p.add_argument("--top-k", type=positive_int, default=None, help="sample from the k most likely tokens only")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep probability mass top-p (0, 1]")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0): same seed, same tokens")
+
+
 def sampling_options(args) -> dict:
     """DecodeConfig sampling fields from --temperature / --top-k / --top-p / --seed (temperature 0: greedy)."""
     if args.temperature == 0:
@@ -172,11 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verify", action="store_true",
                    help="with --json: also run ar (same sampling options and seed) and report token identity")
     g.add_argument("--stream", action="store_true", help="print the text as it is accepted")
-    g.add_argument("--temperature", type=non_negative_float, default=0.0,
-                   help="0 (default): greedy; > 0: sample at this temperature (lossless: same distribution)")
-    g.add_argument("--top-k", type=positive_int, default=None, help="sample from the k most likely tokens only")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep probability mass top-p (0, 1]")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0): same seed, same text")
+    add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
     pr = sub.add_parser("profile", help="measure (or show the cached) forward cost curve of a model")
     add_model_args(pr)

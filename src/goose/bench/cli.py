@@ -7,7 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import add_model_args, positive_int
+from ..cli import add_model_args, add_sampling_args, positive_int, sampling_options
+from ..config import DecodeConfig
 from ..errors import GooseError
 from ..model import DEFAULT_MODEL
 from . import datasets, store
@@ -45,7 +46,8 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
 
     out = Path(args.out)
     pinned = {"model": model_key(args.model), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-              "chat": args.chat}
+              "chat": args.chat, "sampling": sampling_options(args) or None}
+    DecodeConfig(max_new_tokens=args.max_new_tokens, **(pinned["sampling"] or {}))  # bad values fail here
     old = store.read_meta(out) if out.is_dir() else None
     for key in store.PINNED:  # fail before the (slow) model load
         if old is not None and old.get(key) != pinned[key]:
@@ -58,7 +60,8 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
         torch.set_num_threads(args.threads)  # recorded in run.json as "threads"
     t0 = time.perf_counter()
     model, tok = load_model(args.model, args.dtype, args.device)
-    runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"])
+    runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"],
+                    sampling=pinned["sampling"])
     meta = {**store.environment(pinned["model"], model, args.dtype, args.device, argv), **pinned,
             "dataset": dataset, "repeats": args.repeats,
             "methods": methods + [m for m in (old or {}).get("methods", []) if m not in methods]}
@@ -149,6 +152,7 @@ def _common(p: argparse.ArgumentParser, max_new: int, out: str, methods: str) ->
     p.add_argument("--threads", type=positive_int,
                    help="torch CPU threads (default: torch's choice; use 1 on a machine busy with other work)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_sampling_args(p)
 
 
 def register(sub) -> None:

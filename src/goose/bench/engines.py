@@ -24,20 +24,28 @@ ALL_METHODS = METHODS + tuple(HF_METHODS)
 class GooseEngine:
     """A goose method: stats come straight from the step loop."""
 
-    def __init__(self, model, tokenizer, method: str, config=None) -> None:
+    def __init__(self, model, tokenizer, method: str, config=None, sampling: dict | None = None) -> None:
         self.decoder = Decoder(model, tokenizer, method, config)
+        self.sampling = sampling or {}
 
     def generate(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
-        out, stats = self.decoder.generate_ids(ids, DecodeConfig(max_new_tokens=max_new_tokens))
+        out, stats = self.decoder.generate_ids(ids, DecodeConfig(max_new_tokens=max_new_tokens, **self.sampling))
         return out, stats.to_dict()
 
 
 class HFEngine:
-    """Hugging Face `generate`, greedy, batch 1; stats limited to what can be observed from outside."""
+    """Hugging Face `generate`, batch 1; stats limited to what can be observed from outside."""
 
-    def __init__(self, model, method: str) -> None:
+    def __init__(self, model, method: str, sampling: dict | None = None) -> None:
         self.model = model
         self.kwargs = dict(HF_METHODS[method])
+        self.seed = None
+        if sampling:  # the same processed distribution as goose's sampler; torch's RNG seeded per call
+            self.seed = sampling.get("seed")
+            self.kwargs.update(do_sample=True, temperature=sampling["temperature"], top_k=sampling.get("top_k") or 0,
+                               top_p=sampling.get("top_p") or 1.0)
+        else:
+            self.kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         self.device = next(model.parameters()).device
 
     def _pre_hook(self, starts: list[int]):
@@ -53,10 +61,12 @@ class HFEngine:
         pad = gc.pad_token_id if gc.pad_token_id is not None else _first(gc.eos_token_id)
         starts: list[int] = []
         handle = self.model.register_forward_pre_hook(self._pre_hook(starts), with_kwargs=True)
+        if self.seed is not None:
+            torch.manual_seed(self.seed)
         try:
             t0 = time.perf_counter()
-            y = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_new_tokens,
-                                    pad_token_id=pad, temperature=None, top_p=None, top_k=None, **self.kwargs)
+            y = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                    pad_token_id=pad, **self.kwargs)
             wall = time.perf_counter() - t0
         finally:
             handle.remove()
@@ -91,9 +101,10 @@ def _first(ids):
     return ids[0] if isinstance(ids, (list, tuple)) else ids
 
 
-def make_engine(model, tokenizer, method: str, config=None):
+def make_engine(model, tokenizer, method: str, config=None, sampling: dict | None = None):
+    """sampling: DecodeConfig sampling fields (do_sample, temperature, top_k, top_p, seed); None: greedy."""
     if method in HF_METHODS:
-        return HFEngine(model, method)
+        return HFEngine(model, method, sampling)
     if method in METHODS:
-        return GooseEngine(model, tokenizer, method, config)
+        return GooseEngine(model, tokenizer, method, config, sampling)
     raise GooseError(f"unknown method '{method}'; choose from: {', '.join(ALL_METHODS)}")

@@ -31,8 +31,21 @@ def overall_table(summary: dict) -> list[str]:
     rows = []
     for m in summary["methods"]:
         cell = summary["table"][m][ALL]
-        rows.append([m] + [fmt(cell[k], f) for _, k, f in COLUMNS] + [f"{cell['lossless']}/{cell['turns']}"])
+        rows.append([m] + [fmt(cell[k], f) for _, k, f in COLUMNS] + [_lossless(cell)])
     return _table(["method"] + [h for h, _, _ in COLUMNS] + ["lossless"], rows)
+
+
+def _lossless(cell: dict) -> str:
+    checked = cell.get("checked", cell["turns"])
+    return f"{cell['lossless']}/{checked}" if checked else "n/a"
+
+
+def _decoding(meta: dict) -> str:
+    s = meta.get("sampling")
+    if not s:
+        return "greedy"
+    parts = [f"temperature {s['temperature']}"] + [f"{k.replace('_', '-')} {s[k]}" for k in ("top_k", "top_p") if s.get(k)]
+    return "sampling (" + ", ".join(parts) + f", seed {s.get('seed')} per request)"
 
 
 def category_table(summary: dict, key: str, spec: str) -> list[str]:
@@ -49,7 +62,7 @@ def render(summary: dict, plots: list[Path]) -> str:
            f"{meta.get('threads')} threads, {meta.get('processor')})",
            f"- dataset: `{meta.get('dataset')}`; {summary['questions']} questions answered by every method; "
            f"max_new_tokens {meta.get('max_new_tokens')}; {'chat template' if meta.get('chat') else 'raw prompts'}; "
-           f"greedy, batch 1; repeats {meta.get('repeats', 1)} (median)",
+           f"{_decoding(meta)}, batch 1; repeats {meta.get('repeats', 1)} (median)",
            f"- versions: goose {v.get('goose')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
            f"python {v.get('python')}; commit `{meta.get('git_commit')}`"]
     out += [f"- command: `{c}`" for c in meta.get("commands", [])]
@@ -58,14 +71,15 @@ def render(summary: dict, plots: list[Path]) -> str:
                    + ", ".join(f"{m} {n}" for m, n in summary["left_out"].items()))
     out += ["", "Speedups are tokens/s ratios on the same prompts in the same run; τ = tokens per target forward "
             "(prefill included); MAT = accepted per decoding step + 1; acceptance = accepted / drafted nodes per "
-            "source; lossless = turns token-identical to `ar`.", "", "## All categories", ""]
+            "source; lossless = turns token-identical to `ar` (when sampling: with the same seed; hf-* sampling draws "
+            "other random numbers, so it is not compared).", "", "## All categories", ""]
     out += overall_table(summary)
     for title, key, spec in PER_CATEGORY:
         out += ["", f"## {title} by category", ""] + category_table(summary, key, spec)
     out += ["", "## Lossless (identical turns) by category", ""]
     cats = summary["categories"]
-    out += _table(["method"] + cats, [[m] + [f"{summary['table'][m][c]['lossless']}/{summary['table'][m][c]['turns']}"
-                                             for c in cats] for m in summary["methods"]])
+    out += _table(["method"] + cats, [[m] + [_lossless(summary["table"][m][c]) for c in cats]
+                                      for m in summary["methods"]])
     if summary["mismatches"]:
         out += ["", "## Mismatches against ar", "",
                 "A small logit gap at the first differing position is a near-tie (floating-point order); "

@@ -18,7 +18,7 @@ import torch
 from ..errors import GooseError
 
 # Settings that change the generated tokens: a run directory holds one value of each.
-PINNED = ("model", "dtype", "max_new_tokens", "chat")
+PINNED = ("model", "dtype", "max_new_tokens", "chat", "sampling")
 
 
 def answers_dir(out: Path) -> Path:

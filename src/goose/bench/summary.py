@@ -35,7 +35,8 @@ def aggregate(rows: list[dict]) -> dict:
     m = {"questions": len(rows), "turns": len(st), "new_tokens": tokens, "wall_time_s": secs,
          "tokens_per_s": _ratio(tokens, secs), "forward_calls": fwd, "tau": _ratio(tokens, fwd),
          "mat": 1.0 + sum(accepts) / len(accepts) if accepts else (1.0 if accepts == [] else None),
-         "lossless": sum(ok for r in rows for ok in r["lossless"])}
+         "lossless": sum(ok is True for r in rows for ok in r["lossless"]),
+         "checked": sum(ok is not None for r in rows for ok in r["lossless"])}
     steps = len(accepts) if accepts is not None else None
     observed = all(s.get("drafted") is not None for s in st)
     for src in SOURCES:
