@@ -190,3 +190,8 @@ def test_the_exact_distribution_is_a_distribution_and_top_p_prunes_it(small_mode
     nucleus = exact_distribution(small_model, PROMPT, SETTINGS["t0.7-p0.8"])
     assert abs(sum(full.values()) - 1) < 1e-5 and abs(sum(nucleus.values()) - 1) < 1e-5
     assert len(full) == SMALL_V ** LENGTH and len(nucleus) < len(full)
+
+
+def test_unknown_options_are_named():
+    with pytest.raises(GooseError, match="unknown option.*temprature"):
+        Decoder(_tiny(), None, "ar").generate([3, 4, 5], 5, temprature=0.5)

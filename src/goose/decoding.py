@@ -13,7 +13,7 @@ Every method runs through the same recipe each step:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -103,6 +103,10 @@ class Decoder:
         return self.tokenizer(prompt)["input_ids"]
 
     def _request(self, prompt: str | list[int], chat: bool, options: dict) -> tuple[list[int], DecodeConfig]:
+        unknown = set(options) - {f.name for f in fields(DecodeConfig)}
+        if unknown:
+            raise GooseError(f"unknown option(s) {', '.join(sorted(unknown))}; the options are the DecodeConfig "
+                             f"fields: {', '.join(f.name for f in fields(DecodeConfig))}")
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         return ids, DecodeConfig(**options)
 
