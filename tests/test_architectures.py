@@ -36,6 +36,8 @@ def _configs():
         "qwen2": lambda: tf.Qwen2Config(**SMALL, **IDS, use_sliding_window=True, sliding_window=WINDOW,
                                         max_window_layers=1),
         "qwen3": lambda: tf.Qwen3Config(**SMALL, **IDS, head_dim=8),  # q/k norms: not the lean forward
+        "qwen3-window": lambda: tf.Qwen3Config(**SMALL, **IDS, head_dim=8, use_sliding_window=True,
+                                               sliding_window=WINDOW, max_window_layers=1),
         "gemma3": lambda: tf.Gemma3TextConfig(
             **{**SMALL, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1}, **IDS,
             head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
@@ -50,8 +52,8 @@ def _configs():
     }
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2", "gpt_neox")
-SLIDING_ARCHS = ("mistral", "qwen2", "gemma3", "phi3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3-window", "gemma3", "phi3", "gpt2", "gpt_neox")
+SLIDING_ARCHS = ("mistral", "qwen2", "qwen3-window", "gemma3", "phi3")
 _MODELS: dict = {}
 
 
@@ -87,7 +89,7 @@ def test_layer_kinds(arch):
     kinds, window = attention_layers(tiny(arch))
     if arch in SLIDING_ARCHS:
         assert window == WINDOW and SLIDING in kinds
-        assert (FULL in kinds) == (arch in ("qwen2", "gemma3"))
+        assert (FULL in kinds) == (arch in ("qwen2", "qwen3-window", "gemma3"))
     else:
         assert window is None and set(kinds) == {FULL}
 
