@@ -176,3 +176,12 @@ def test_other_attention_kinds_are_refused():
             Decoder(model, None, "ar")
     finally:
         model.config.layer_types = types
+
+
+def test_local_attention_by_index_is_refused():
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    cfg = GPTNeoConfig(vocab_size=TINY_VOCAB, hidden_size=32, num_layers=2, num_heads=4, window_size=8,
+                       attention_types=[[["global", "local"], 1]], max_position_embeddings=256)
+    with pytest.raises(GooseError, match="local-attention"):
+        Decoder(GPTNeoForCausalLM(cfg).eval(), None, "ar")

@@ -65,7 +65,15 @@ def attention_layers(model) -> tuple[tuple[str, ...], int | None]:
     Without ``config.layer_types`` a set `sliding_window` applies to every layer (Mistral, Phi-3).
     Raises GooseError for layers goose cannot mask exactly."""
     cfg = model.config
+    if hasattr(cfg, "get_text_config"):  # multimodal models keep the decoder's layout in a sub-config
+        cfg = cfg.get_text_config(decoder=True)
     mtype = getattr(cfg, "model_type", "?")
+    if getattr(cfg, "attention_chunk_size", None):
+        raise GooseError(f"model type '{mtype}' uses chunked attention: goose verifies trees only through full "
+                         f"and sliding-window attention")
+    if "local" in [str(t) for t in getattr(cfg, "attention_layers", None) or ()]:
+        raise GooseError(f"model type '{mtype}' has local-attention layers that mask by cache index, not by "
+                         f"position: a tree's window would be wrong")
     types = getattr(cfg, "layer_types", None)
     window = active_sliding_window(cfg)
     if types is None:
