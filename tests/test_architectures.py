@@ -35,7 +35,7 @@ def _configs():
         # layer 0 full, layer 1 sliding: the per-layer-type mask dict
         "qwen2": lambda: tf.Qwen2Config(**SMALL, **IDS, use_sliding_window=True, sliding_window=WINDOW,
                                         max_window_layers=1),
-        "qwen3": lambda: tf.Qwen3Config(**SMALL, **IDS, head_dim=8),  # q/k norms: not the lean forward
+        "qwen3": lambda: tf.Qwen3Config(**SMALL, **IDS, head_dim=8),  # q/k norms
         "qwen3-window": lambda: tf.Qwen3Config(**SMALL, **IDS, head_dim=8, use_sliding_window=True,
                                                sliding_window=WINDOW, max_window_layers=1),
         "gemma3": lambda: tf.Gemma3TextConfig(
@@ -154,7 +154,7 @@ def test_every_method_equals_greedy_generate(arch):
 
 def test_only_the_llama_family_without_a_window_takes_the_lean_forward():
     lean = {a for a in ARCHS if isinstance(default_forward(tiny(a)), LeanForward)}
-    assert lean == {"llama"}
+    assert lean == {"llama", "qwen3"}
 
 
 def test_mixed_layers_behind_a_single_mask_are_refused():
