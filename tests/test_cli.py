@@ -124,3 +124,34 @@ def test_sampled_json_is_reproducible_and_verified(tiny_dir, capsys):
 def test_bad_sampling_options_fail_before_loading(argv, needle, capsys):
     code, _, err = run(["generate", "--model", "/no/such/dir", "hi"] + argv, capsys)
     assert code == 2 and needle in err and "unknown model" not in err
+
+
+def test_packaged_model_without_its_package(monkeypatch, tmp_path, capsys):
+    from goose import model as gm
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setitem(gm.PACKAGED, "nope-1m", gm.Packaged("goose_no_such_package", "pip install nope==1"))
+    code, _, err = run(["generate", "--model", "nope-1m", "hi"], capsys)
+    assert code == 2 and "needs the 'goose_no_such_package' package: pip install nope==1" in err
+
+
+def test_packaged_gguf_that_fails_to_assemble(monkeypatch, tmp_path, capsys):
+    import importlib.machinery
+    import types
+
+    from goose import model as gm
+
+    fake = types.ModuleType("goose_fake_chunks")
+    fake.__spec__ = importlib.machinery.ModuleSpec("goose_fake_chunks", None)
+    fake.MODEL_NAME = "fake.gguf"
+
+    def assemble(path):
+        raise ValueError("Assembled file sha256 did not match expected value")
+
+    fake.assemble = assemble
+    monkeypatch.setitem(sys.modules, "goose_fake_chunks", fake)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setitem(gm.PACKAGED, "fake-1m", gm.Packaged("goose_fake_chunks", "pip install fake==1"))
+    code, _, err = run(["generate", "--model", "fake-1m", "hi"], capsys)
+    assert code == 2 and "cannot assemble the GGUF" in err and "sha256" in err
+    assert not any((tmp_path / "goose" / "models").iterdir())  # the scratch directory is gone

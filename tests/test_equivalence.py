@@ -145,15 +145,3 @@ def test_device_aware_goose_falls_back_to_plain_steps_when_trees_do_not_pay(tiny
     assert out == hf_greedy(tiny_model, prompt, 30)
     assert set(stats.tree_sizes) == {1} and stats.routes["ar"] == len(stats.tree_sizes)
 
-
-def test_sliding_window_models_are_refused_not_misverified():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    from goose.errors import GooseError
-
-    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=8,
-                           max_position_embeddings=256, layer_types=["sliding_attention", "full_attention"])
-    model = Gemma3ForCausalLM(cfg).eval()
-    with pytest.raises(GooseError, match="sliding-window"):
-        Decoder(model, None, "ar")

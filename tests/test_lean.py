@@ -277,6 +277,27 @@ def test_qwen2_matches_hf_and_generate():
     assert out == ref
 
 
+def test_qwen3_q_k_norms_match_hf_and_generate():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      eos_token_id=EOS, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+                      attn_implementation="sdpa")
+    model = _finish(Qwen3ForCausalLM(cfg), torch.float64, 6.0)
+    with torch.no_grad():  # HF initializes the q/k norm weights to one: make them matter
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    assert supports(model)
+    script = call_script(4, steps=8)
+    assert_same(play(LeanForward(model), script), play(HFForward(model), script), atol=1e-9)
+    prompt = [5, 9, 14, 5, 9, 14, 5, 9]
+    out, _ = Decoder(model, None, "goose-paper", forward=LeanForward(model)).generate_ids(prompt, DecodeConfig(30))
+    assert out == hf_greedy(model, prompt, 30)
+
+
 def test_rope_scaling_variant_matches_hf():
     """RoPE comes from the model's own rotary module, so scaled variants are exact too."""
     model = tiny_llama(layers=2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})

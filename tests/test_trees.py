@@ -167,6 +167,22 @@ def test_mask_and_positions_on_drawn_tree():
     assert not is_chain(t)
 
 
+def test_sliding_window_mask_hides_what_lies_beyond_the_window_from_each_node():
+    t = drawn_tree()  # depths [0, 1, 2, 1, 2]; after 3 prefix tokens the nodes sit at positions 3 4 5 4 5
+    allowed, depths = ancestor_mask(t), tree_depths(t)
+    m = additive_mask(allowed, 3, torch.float64, depths=depths, window=2) == 0  # [1, 1, 5, 8] -> seen
+    # window 2: a node at position q sees positions q - 1 and q, among the prefix and its ancestors
+    expect = torch.tensor([[0, 0, 1, 1, 0, 0, 0, 0],   # node 0 (pos 3): prefix 2, itself
+                           [0, 0, 0, 1, 1, 0, 0, 0],   # node 1 (pos 4): node 0, itself
+                           [0, 0, 0, 0, 1, 1, 0, 0],   # node 2 (pos 5): node 1, itself
+                           [0, 0, 0, 1, 0, 0, 1, 0],   # node 3 (pos 4): node 0, itself
+                           [0, 0, 0, 0, 1, 0, 0, 1]],  # node 4 (pos 5): node 1, itself
+                          dtype=torch.bool)
+    assert torch.equal(m[0, 0], expect)
+    wide = additive_mask(allowed, 3, torch.float64, depths=depths, window=64)
+    assert torch.equal(wide, additive_mask(allowed, 3, torch.float64))
+
+
 def test_walk_spine_continuation_and_all_reject():
     t = drawn_tree()
     # root predicts 11 (spine), node 1 predicts 14 (branch), node 4 predicts 99 (no child)

