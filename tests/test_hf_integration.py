@@ -192,3 +192,14 @@ def test_custom_generate_refuses_batches_and_padding(model):
     with pytest.raises(GooseError, match="padded"):
         model.generate(ids, attention_mask=torch.tensor([[0, 1, 1]]), max_new_tokens=3, pad_token_id=0,
                        custom_generate=goose.custom_generate)
+
+
+def test_decoders_of_one_model_share_its_forward_and_refuse_interleaving(worded):
+    model, tok = worded
+    a, b = Decoder(model, tok, "ar"), Decoder(model, tok, "pld")
+    assert a.forward is b.forward
+    stream = iter(a.stream("one two three one two three", 20))
+    next(stream)
+    b.generate("something else", 5)  # reuses the shared KV cache
+    with pytest.raises(GooseError, match="another request on the same model"):
+        list(stream)

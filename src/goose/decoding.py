@@ -13,6 +13,7 @@ Every method runs through the same recipe each step:
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, fields
 
 import torch
@@ -68,9 +69,19 @@ class _StageClock:
         self.last = now
 
 
+_SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def default_forward(model):
-    """The fast Llama-family forward where it applies, else the generic Hugging Face one."""
-    return LeanForward(model) if lean_supports(model) else HFForward(model)
+    """The fast Llama-family forward where it applies, else the generic Hugging Face one.
+
+    One per model, shared by all its Decoders (a LeanForward holds prepacked weight copies and the KV
+    cache): requests on one model run one at a time; a request interrupted by another one on the same
+    model stops with a clear error instead of reading the other's cache."""
+    fwd = _SHARED.get(model)
+    if fwd is None:
+        fwd = _SHARED[model] = LeanForward(model) if lean_supports(model) else HFForward(model)
+    return fwd
 
 
 class Decoder:
@@ -172,6 +183,7 @@ class Decoder:
         fwd, method = self.forward, self.method
         t0 = time.perf_counter()
         fwd.reset()
+        fwd.owner = owner = object()  # this request's claim on the (possibly shared) forward and its cache
         prev = -1
         for s in range(0, len(prompt), cfg.prefill_chunk):  # prefill, harvesting every position
             chunk = prompt[s : s + cfg.prefill_chunk]
@@ -201,6 +213,9 @@ class Decoder:
         limit = context_limit(self.model)
         clock = _StageClock(stats.stage_ms)
         while not done:
+            if fwd.owner is not owner:
+                raise GooseError("another request on the same model ran while this one was paused; "
+                                 "finish (or drop) one stream before starting the next")
             anchor = out[-1]
             prev_anchor = out[-2] if len(out) > 1 else prompt[-1]
             tree = method.draft(anchor, prev_anchor)  # 1. draft + build
