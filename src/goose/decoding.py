@@ -83,7 +83,7 @@ class Decoder:
         vocab = model.get_output_embeddings().weight.shape[0]
         self.method = method if isinstance(method, Method) else make_method(method, vocab, config, cost)
         self.forward = forward if forward is not None else default_forward(model)
-        self.method.prepare(model, self.forward)
+        self.method.prepare(model, self.forward, tokenizer)
         self.eos = eos_ids(model, tokenizer)
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
@@ -140,16 +140,17 @@ class Decoder:
             if limit is not None:
                 tree = tree.within_depth(limit - 1 - fwd.length)
             clock("draft")
-            tree_args = () if len(tree) == 1 or is_chain(tree) else (tree_depths(tree), ancestor_mask(tree))
+            tokens = tree.all_tokens  # tree nodes, then any unverified extras (lookahead window)
+            tree_args = () if len(tokens) == 1 or is_chain(tree) else (tree_depths(tree), ancestor_mask(tree))
             clock("tensorize")  # 2. tensorize (chains need no mask)
-            logits = fwd(tree.tokens, *tree_args)  # 3. forward: [n, vocab]
+            logits = fwd(tokens, *tree_args)  # 3. forward: [n, vocab]
             clock("forward")
             walk = greedy_walk(tree, logits.argmax(-1).tolist())  # 4. verify
             clock("verify")
             fwd.keep(walk.path)  # 5. compact KV
             clock("compact")
-            prevs = [prev_anchor] + [tree.tokens[p] for p in tree.parents[1:]]
-            method.harvest(tree.tokens, prevs, logits)  # 6. harvest
+            prevs = [prev_anchor] + [tokens[p] for p in tree.all_parents[1:]]
+            method.harvest(tokens, prevs, logits)  # 6. harvest
             method.observe(tree, walk)
             clock("harvest")
             new = [tree.tokens[i] for i in walk.path[1:]] + [walk.bonus]  # 7. commit
