@@ -246,7 +246,7 @@ def _files(root: Path, suffixes: tuple[str, ...], skip: tuple[str, ...] = ()) ->
 
 
 def build(tokenizer, sources: Sequence[str], name: str = DEFAULT_NAME, max_docs: int | None = None,
-          path: Path | None = None, batch: int = 64, progress: bool = False) -> Datastore:
+          path: Path | None = None, batch: int = 64, progress: bool = False, model: str | None = None) -> Datastore:
     """Tokenize the sources' documents with `tokenizer`, build the suffix array and save the store."""
     t0 = time.perf_counter()
     docs: list[list[int]] = []
@@ -264,7 +264,7 @@ def build(tokenizer, sources: Sequence[str], name: str = DEFAULT_NAME, max_docs:
         per_source[src] = len(docs) - before
     if not docs:
         raise GooseError(f"sources {', '.join(sources)} gave no documents")
-    meta = {"name": name, "sources": per_source, "tokenizer": tokenizer_identity(tokenizer),
+    meta = {"name": name, "model": model, "sources": per_source, "tokenizer": tokenizer_identity(tokenizer),
             "max_docs": max_docs, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     store = from_token_ids(docs, meta)
     store.meta["build_s"] = round(time.perf_counter() - t0, 2)
