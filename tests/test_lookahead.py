@@ -58,6 +58,8 @@ def test_window_rides_on_the_tree_as_extra_nodes():
     assert greedy_walk(tree, pred).path == [0]
     # cut at a context limit: the window goes, the tree stays
     assert tree.within_depth(2).extra_tokens == [] and len(tree.within_depth(2)) == 4
+    with pytest.raises(ValueError):  # extras come after every tree node
+        tree.add(0, 9, SPINE)
 
 
 def test_window_fills_then_emits_one_ngram_per_column():
