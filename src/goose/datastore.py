@@ -94,13 +94,17 @@ class Datastore:
         """[lo, hi): the suffix-array range of the suffixes that start with `query`."""
         q, m = list(query), len(query)
         lo, hi = 0, len(self.sa)
+        upper = hi  # any suffix seen with an m-prefix > q bounds the second search
         while lo < hi:  # first suffix whose m-prefix >= q
             mid = (lo + hi) // 2
-            if self._prefix(int(self.sa[mid]), m) < q:
+            seg = self._prefix(int(self.sa[mid]), m)
+            if seg < q:
                 lo = mid + 1
             else:
                 hi = mid
-        start, hi = lo, len(self.sa)
+                if seg != q:
+                    upper = mid
+        start, hi = lo, upper
         while lo < hi:  # first suffix whose m-prefix > q
             mid = (lo + hi) // 2
             if self._prefix(int(self.sa[mid]), m) <= q:
@@ -184,8 +188,10 @@ def load(name: str = DEFAULT_NAME, path: Path | None = None) -> Datastore:
     meta = json.loads(meta_file.read_text(encoding="utf-8"))
     if meta.get("format") != FORMAT:
         raise GooseError(f"datastore at {path} has format {meta.get('format')}, not {FORMAT}; rebuild it")
-    return Datastore(np.load(path / "tokens.npy", mmap_mode="r"), np.load(path / "sa.npy", mmap_mode="r"),
-                     meta, path)
+    # plain ndarray views of the maps: same pages, without np.memmap's per-slice overhead
+    tokens = np.load(path / "tokens.npy", mmap_mode="r").view(np.ndarray)
+    sa = np.load(path / "sa.npy", mmap_mode="r").view(np.ndarray)
+    return Datastore(tokens, sa, meta, path)
 
 
 def check_tokenizer(store: Datastore, tokenizer=None, vocab_size: int | None = None) -> None:
