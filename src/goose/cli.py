@@ -152,7 +152,9 @@ def _print_info(info: dict) -> None:
     print(f"  sources   {', '.join(f'{k} ({v} docs)' for k, v in (info.get('sources') or {}).items())}")
     print(f"  documents {info.get('docs')}   tokens {info.get('tokens'):,}   size {size / 2**20:.1f} MiB")
     print(f"  tokenizer of {info.get('model')}: {tok.get('name_or_path')} (vocab {tok.get('vocab_size')}, fingerprint {tok.get('fingerprint')})")
-    print(f"  built     {info.get('created')} in {info.get('build_s')} s"
+    split = (f" (tokenizing {info['tokenize_s']} s, suffix array {info['index_s']} s)"
+             if info.get("tokenize_s") is not None else "")
+    print(f"  built     {info.get('created')} in {info.get('build_s')} s{split}"
           + (f" (max {info['max_docs']} docs per source)" if info.get("max_docs") else ""))
 
 

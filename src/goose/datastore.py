@@ -10,8 +10,8 @@ A lookup finds the longest suffix of the context (`max_suffix` down to `min_suff
 in the corpus, with two binary searches over the suffix array per length tried, and reads the tokens
 that follow its occurrences (stopping at a document boundary).
 
-Construction is prefix doubling with numpy (`suffix_array`): about log2(longest repeat) rounds of one
-argsort each.
+Construction is prefix doubling with numpy (`suffix_array`): about log2(longest repeat) rounds, each
+sorting only the suffixes not yet told apart.
 """
 
 from __future__ import annotations
@@ -54,27 +54,44 @@ def tokenizer_identity(tokenizer) -> dict:
 def suffix_array(tokens: np.ndarray) -> np.ndarray:
     """Start positions of all suffixes of `tokens` in lexicographic order (shorter prefix first).
 
-    Prefix doubling: after the round with offset k, ranks order the suffixes by their first 2k tokens."""
+    Prefix doubling that only re-sorts unsettled groups: suffixes are kept grouped by their first h
+    tokens (a group's rank is its first position in the array); each round sorts the members of the groups
+    still holding several suffixes by the rank h tokens further on, which orders them by 2h tokens. Most
+    suffixes settle within a few rounds; only long repeats keep being sorted."""
     n = len(tokens)
     out_dtype = np.int32 if n < 2**31 - 1 else np.int64
     if n == 0:
         return np.zeros(0, dtype=out_dtype)
-    _, rank = np.unique(np.asarray(tokens), return_inverse=True)
-    rank = rank.astype(np.int64).reshape(-1)  # [n] dense rank of the first token
-    sa = np.argsort(rank, kind="stable")
-    k = 1
+    t = np.asarray(tokens, dtype=np.int64)
+    sa = np.argsort(t, kind="stable")  # [n] by first token
+    first = t[sa]
+    new_group = np.empty(n, dtype=bool)  # [n] sa position starts a group
+    new_group[0] = True
+    new_group[1:] = first[1:] != first[:-1]
+    starts = np.maximum.accumulate(np.where(new_group, np.arange(n), 0))  # [n] group start of each position
+    rank = np.empty(n, dtype=np.int64)
+    rank[sa] = starts  # rank of suffix i: where its group starts
+    h = 1
     while True:
-        second = np.zeros(n, dtype=np.int64)  # 0: past the end, below every rank + 1
-        second[: n - k] = rank[k:] + 1 if k < n else 0
-        key = rank * (n + 1) + second  # [n] (rank of 2k-prefix), ordered like the pair
-        sa = np.argsort(key)
-        ks = key[sa]
-        new = np.empty(n, dtype=np.int64)
-        new[sa] = np.concatenate(([0], np.cumsum(ks[1:] != ks[:-1])))
-        rank = new
-        if rank[sa[-1]] == n - 1 or k >= n:  # all distinct
+        single = new_group.copy()
+        single[:-1] &= new_group[1:]  # a group of one: starts here and the next position starts another
+        active = np.flatnonzero(~single)  # sa positions of groups still holding several suffixes
+        if active.size == 0:
             return sa.astype(out_dtype)
-        k *= 2
+        s = sa[active]
+        nxt = s + h
+        second = np.where(nxt < n, rank[np.minimum(nxt, n - 1)] + 1, 0)  # 0: past the end sorts first
+        key = starts[active] * (n + 1) + second  # orders by (group, rank h tokens further on)
+        order = np.argsort(key)  # groups keep their position ranges: active holds whole groups, in order
+        key = key[order]
+        ng = np.empty(active.size, dtype=bool)
+        ng[0] = True
+        ng[1:] = key[1:] != key[:-1]
+        sa[active] = s[order]
+        new_group[active] = ng
+        starts[active] = np.maximum.accumulate(np.where(ng, active, 0))
+        rank[sa[active]] = starts[active]
+        h *= 2
 
 
 @dataclass
@@ -270,10 +287,13 @@ def build(tokenizer, sources: Sequence[str], name: str = DEFAULT_NAME, max_docs:
         per_source[src] = len(docs) - before
     if not docs:
         raise GooseError(f"sources {', '.join(sources)} gave no documents")
+    t1 = time.perf_counter()
     meta = {"name": name, "model": model, "sources": per_source, "tokenizer": tokenizer_identity(tokenizer),
-            "max_docs": max_docs, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "max_docs": max_docs, "tokenize_s": round(t1 - t0, 2)}
     store = from_token_ids(docs, meta)
-    store.meta["build_s"] = round(time.perf_counter() - t0, 2)
+    done = time.perf_counter()
+    store.meta.update(index_s=round(done - t1, 2), build_s=round(done - t0, 2),
+                      created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     save(store, path or store_dir(name))
     return load(name, store.path)
 
