@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from goose.theory import (CPU_COST_MS, SPINE, TwoSourceModel, best_isotropic, best_size,  # noqa: E402
-                          expected_accepted, goose_tree, isotropic_tree, optimal_tree, optimal_values)
+                          expected_accepted, goose_tree, optimal_tree, optimal_values)
 
 RATIOS = [1, 1.5, 2, 3, 4, 6, 8, 12, 18]
 BUDGETS = [4, 8, 16, 32, 60, 100]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
+
+from goose.datastore import Datastore, from_token_ids
 
 TINY_VOCAB = 96
 TINY_EOS = 1
@@ -35,6 +39,32 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
                              max_new_tokens=max_new_tokens, eos_token_id=TINY_EOS, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+_STORES: dict = {}
+
+
+def greedy_store(model) -> Datastore:
+    """A store of the tiny model's own greedy continuations (so retrieval gets accepted)."""
+    key = id(model)
+    if key not in _STORES:
+        rng = random.Random(0)
+        docs = []
+        for _ in range(12):
+            p = [rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(1, 8))]
+            docs.append(p + hf_greedy(model, p, 30))
+        docs.append([5, 6, 7, 8] * 5 + hf_greedy(model, [5, 6, 7, 8] * 5, 30))
+        _STORES[key] = from_token_ids(docs, {"tokenizer": {"vocab_size": TINY_VOCAB}})
+    return _STORES[key]
+
+
+def method_for(name: str, model):
+    """Method names as the decoder takes them; `rest` with a store of the model's own greedy text."""
+    if name != "rest":
+        return name
+    from goose.methods import Rest
+
+    return Rest(store=greedy_store(model))
 
 
 @pytest.fixture(scope="session")

@@ -303,3 +303,30 @@ def test_sampled_bench_checks_goose_methods_and_leaves_hf_unchecked(tiny, tmp_pa
     assert "sampling (temperature 1.5, top-p 0.9, seed 3 per request)" in report and "n/a" in report
     assert main(argv[:-6] + ["--out", str(out)]) == 2  # greedy into a sampled run directory is refused
     assert "sampling=" in capsys.readouterr().err
+
+
+def test_cli_bench_runs_lookahead_and_rest_and_reports_their_settings(tiny, tmp_path, monkeypatch, capsys):
+    from goose import datastore
+    from goose.cli import main
+
+    model, tok = tiny
+    mdir = tmp_path / "model"
+    model.save_pretrained(mdir)
+    tok.save_pretrained(mdir)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(mdir), "--dataset", "builtin", "--limit", "1", "--categories", "coding",
+            "--methods", "lookahead,rest", "--max-new-tokens", "6", "--out", str(out), "--no-progress"]
+    assert main(argv) == 2  # no datastore yet: refused before the model load, with the build command
+    assert "goose datastore build --name default" in capsys.readouterr().err
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(" ".join(t for q in BUILTIN for t in q.turns))
+    datastore.build(tok, [str(corpus)], model=str(mdir))
+    assert main(argv) == 0
+    report = (out / "report.md").read_text()
+    assert "- lookahead: window=7, ngram_size=5, guess_set_size=7" in report
+    assert "- rest: datastore=default" in report and "datastore `default`" in report
+    s = json.loads((out / "summary.json").read_text())
+    assert s["methods"] == ["ar", "lookahead", "rest"]
+    assert all(s["table"][m]["all"]["lossless"] == s["table"][m]["all"]["turns"] for m in s["methods"])

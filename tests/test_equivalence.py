@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_EOS, TINY_VOCAB, hf_greedy, make_tiny_llama
+from conftest import TINY_EOS, TINY_VOCAB, hf_greedy, make_tiny_llama, method_for
 from goose.config import DecodeConfig, GooseConfig, NgramConfig, SpineTreeConfig
 from goose.costmodel import CostCurve
 from goose.decoding import Decoder
@@ -99,7 +99,7 @@ def test_every_method_equals_greedy_generate(prompt, max_new, cfg, seed, curve, 
     ref = hf_greedy(model, prompt, max_new)
     for method in METHODS:
         fwd = HFForward(model) if backend == "hf" else LeanForward(model)
-        dec = Decoder(model, None, method, cfg, forward=fwd, cost=CURVES[curve])
+        dec = Decoder(model, None, method_for(method, model), cfg, forward=fwd, cost=CURVES[curve])
         out, stats = dec.generate_ids(prompt, _decode(max_new))
         assert out == ref, f"{method} diverged from greedy generate"
         assert stats.new_tokens == len(out)
@@ -122,7 +122,7 @@ def _decode(max_new):
 def test_decoder_is_reusable_across_requests(tiny_model):
     rng = random.Random(7)
     for method in METHODS:
-        dec = Decoder(tiny_model, None, method, cost=CURVES["cpu"])
+        dec = Decoder(tiny_model, None, method_for(method, tiny_model), cost=CURVES["cpu"])
         for _ in range(3):
             prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(1, 20))]
             out, _ = dec.generate_ids(prompt, _decode(30))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from goose import datastore
 from goose.cli import first_mismatch
 from goose.decoding import Decoder
 from goose.methods import METHODS
@@ -55,9 +56,21 @@ def test_ar_equals_hf_generate(smollm, references):
         assert got == ref, describe(model, ids, ref, got)
 
 
+@pytest.fixture(scope="module")
+def sharegpt_store(smollm, tmp_path_factory):
+    """REST's default store, built from a slice of ShareGPT in a temporary user cache dir."""
+    _, tok = smollm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        datastore.build(tok, ["sharegpt"], max_docs=50)
+        yield
+
+
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
-def test_method_is_lossless_on_real_prompts(smollm, references, method):
+def test_method_is_lossless_on_real_prompts(smollm, references, method, request):
     model, tok = smollm
+    if method == "rest":
+        request.getfixturevalue("sharegpt_store")
     dec = Decoder(model, tok, method)
     for name, (ids, ref) in references.items():
         res = dec.generate(ids, MAX_NEW)

@@ -1,8 +1,10 @@
-"""Tree builders of the comparison methods: chains (PLD), Token Recycling's template, isotropic trees."""
+"""Tree builders of the comparison methods: chains (PLD), Token Recycling's template, isotropic trees,
+REST's frequency trie."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
+from typing import Iterable
 
 from .adjacency import AdjacencyTable
 from .config import IsotropicConfig, TRConfig
@@ -71,4 +73,26 @@ def build_isotropic_tree(anchor: int, prev_anchor: int | None, chain: list[int],
                 if idx >= 0:
                     queue.append(idx)
                     added += 1
+    return tree
+
+
+def build_trie(anchor: int, continuations: Iterable[tuple[int, ...]], budget: int) -> DraftTree:
+    """REST's trie: the `budget` most frequent prefixes of the retrieved continuations, under the anchor.
+
+    A prefix's count is the number of continuations that start with it, so a parent never counts less than
+    its child: taking prefixes by (count desc, length asc, first seen) keeps the trie closed under parents.
+    Siblings are ranked by count (0 = most frequent)."""
+    counts: Counter = Counter()
+    for cont in continuations:
+        for d in range(1, len(cont) + 1):
+            counts[cont[:d]] += 1
+    order = {p: i for i, p in enumerate(counts)}  # first seen (Counter keeps insertion order)
+    chosen = sorted(counts, key=lambda p: (-counts[p], len(p), order[p]))[: max(0, budget)]
+    tree = DraftTree.root(anchor)
+    node_of: dict[tuple[int, ...], int] = {(): 0}
+    for prefix in chosen:
+        parent = node_of[prefix[:-1]]
+        node_of[prefix] = tree.add(parent, prefix[-1], SPINE, len(tree.children[parent]))
+    if len(tree) == 1:
+        tree.route = "ar"
     return tree

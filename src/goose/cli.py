@@ -166,6 +166,43 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_datastore_build(args) -> int:
+    from transformers import AutoTokenizer
+
+    from . import datastore
+    from .model import model_dir
+
+    tok = AutoTokenizer.from_pretrained(model_dir(args.model))
+    tok.model_max_length = 1 << 62  # whole documents are tokenized; no length warning
+    sources = args.source or list(datastore.SOURCES)
+    path = datastore.store_dir(args.name)
+    print(f"datastore: building '{args.name}' from {', '.join(sources)} with the tokenizer of {args.model} "
+          f"-> {path}", file=sys.stderr)
+    store = datastore.build(tok, sources, args.name, args.max_docs, progress=not args.no_progress, model=args.model)
+    _print_info(store.info())
+    return 0
+
+
+def _print_info(info: dict) -> None:
+    tok = info.get("tokenizer") or {}
+    size = info.get("bytes") or 0
+    print(f"datastore {info.get('name')}  ({info.get('path')})")
+    print(f"  sources   {', '.join(f'{k} ({v} docs)' for k, v in (info.get('sources') or {}).items())}")
+    print(f"  documents {info.get('docs')}   tokens {info.get('tokens'):,}   size {size / 2**20:.1f} MiB")
+    print(f"  tokenizer of {info.get('model')}: {tok.get('name_or_path')} (vocab {tok.get('vocab_size')}, fingerprint {tok.get('fingerprint')})")
+    split = (f" (tokenizing {info['tokenize_s']} s, suffix array {info['index_s']} s)"
+             if info.get("tokenize_s") is not None else "")
+    print(f"  built     {info.get('created')} in {info.get('build_s')} s{split}"
+          + (f" (max {info['max_docs']} docs per source)" if info.get("max_docs") else ""))
+
+
+def cmd_datastore_info(args) -> int:
+    from . import datastore
+
+    _print_info(datastore.load(args.name).info())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="goose", description="Lossless speculative decoding with GOOSE spine trees.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -187,6 +224,20 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--remeasure", action="store_true", help="measure again instead of using the cached curve")
     pr.add_argument("--plot", default="goose-profile.png", help="PNG to write (default goose-profile.png; '' for none)")
     pr.set_defaults(func=cmd_profile)
+    ds = sub.add_parser("datastore", help="build or inspect REST's datastore (in the user cache dir)")
+    dsub = ds.add_subparsers(dest="datastore_command", required=True, parser_class=_Parser)
+    b = dsub.add_parser("build", help="tokenize corpora and build the suffix array")
+    b.add_argument("--source", action="append",
+                   help="sharegpt, python-stdlib, or a folder / file path (repeatable; default: sharegpt and "
+                        "python-stdlib)")
+    b.add_argument("--model", default=DEFAULT_MODEL, help=f"whose tokenizer to use (default {DEFAULT_MODEL})")
+    b.add_argument("--name", default="default", help="store name (default 'default', what `rest` uses)")
+    b.add_argument("--max-docs", type=positive_int, help="at most N documents per source (default: all)")
+    b.add_argument("--no-progress", action="store_true", help="no progress lines")
+    b.set_defaults(func=cmd_datastore_build)
+    i = dsub.add_parser("info", help="size, token count, build time and tokenizer of a store")
+    i.add_argument("--name", default="default", help="store name (default 'default')")
+    i.set_defaults(func=cmd_datastore_info)
     from .bench.cli import register as register_bench
 
     register_bench(sub)  # bench, report, demo

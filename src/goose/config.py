@@ -108,6 +108,44 @@ class TRConfig:
 
 
 @dataclass(frozen=True)
+class LookaheadConfig:
+    """Lookahead decoding (spec §9): Jacobi window W, n-gram size N, guess set G.
+
+    Defaults are the reference implementation's recommended setting (``LEVEL=5, WINDOW_SIZE=7,
+    GUESS_SET_SIZE=7``), the small one of the paper's settings (7B on an A100 used W = G = 15): at most
+    (N - 1) * (W + G) = 56 extra tokens per forward."""
+
+    window: int = 7  # W: Jacobi window columns
+    ngram_size: int = 5  # N: the window keeps N - 1 levels; n-grams of N tokens go to the pool
+    guess_set_size: int = 7  # G: n-grams kept per key token (most recent), all verified as one trie
+    seed: int = 0  # initial window: tokens drawn from the context with this seed
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.ngram_size < 2 or self.guess_set_size < 0:
+            raise ValueError("need window >= 1, ngram_size >= 2, guess_set_size >= 0")
+
+
+@dataclass(frozen=True)
+class RestConfig:
+    """REST (spec §9): continuations retrieved from a datastore by longest suffix match, merged into a trie.
+
+    Defaults follow REST: context suffixes of 16 down to 2 tokens, a trie of at most 64 draft nodes."""
+
+    datastore: str = "default"  # name under the user cache dir (`goose datastore build --name`)
+    max_suffix: int = 16  # longest context suffix searched (then shorter ones, down to min_suffix)
+    min_suffix: int = 2
+    max_continuations: int = 1000  # continuations read from the match range (evenly spaced when more)
+    continuation_length: int = 10  # tokens per continuation (stops at a document boundary)
+    node_budget: int = 64  # draft nodes in the trie, the root not counted
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_suffix <= self.max_suffix:
+            raise ValueError("need 1 <= min_suffix <= max_suffix")
+        if self.max_continuations < 1 or self.continuation_length < 1 or self.node_budget < 0:
+            raise ValueError("need max_continuations >= 1, continuation_length >= 1, node_budget >= 0")
+
+
+@dataclass(frozen=True)
 class AcceptanceConfig:
     """Priors and grouping of the online acceptance model used by the device-aware `goose` method."""
 

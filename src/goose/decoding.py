@@ -75,12 +75,14 @@ _SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def default_forward(model):
     """The fast Llama-family forward where it applies, else the generic Hugging Face one.
 
-    One per model, shared by all its Decoders (a LeanForward holds prepacked weight copies and the KV
-    cache): requests on one model run one at a time; a request interrupted by another one on the same
-    model stops with a clear error instead of reading the other's cache."""
+    A LeanForward (prepacked weight copies and a static KV cache) is made once per model and shared by all
+    its Decoders: requests on one model run one at a time, and a request interrupted by another one on the
+    same model stops with a clear error instead of reading the other's cache."""
+    if not lean_supports(model):
+        return HFForward(model)
     fwd = _SHARED.get(model)
     if fwd is None:
-        fwd = _SHARED[model] = LeanForward(model) if lean_supports(model) else HFForward(model)
+        fwd = _SHARED[model] = LeanForward(model)
     return fwd
 
 
@@ -94,7 +96,7 @@ class Decoder:
         vocab = model.get_output_embeddings().weight.shape[0]
         self.method = method if isinstance(method, Method) else make_method(method, vocab, config, cost)
         self.forward = forward if forward is not None else default_forward(model)
-        self.method.prepare(model, self.forward)
+        self.method.prepare(model, self.forward, tokenizer)
         self.eos = eos_ids(model, tokenizer)
         self.device = next(model.parameters()).device
 
@@ -222,16 +224,17 @@ class Decoder:
             if limit is not None:
                 tree = tree.within_depth(limit - 1 - fwd.length)
             clock("draft")
-            tree_args = () if len(tree) == 1 or is_chain(tree) else (tree_depths(tree), ancestor_mask(tree))
+            tokens = tree.all_tokens  # tree nodes, then any unverified extras (lookahead window)
+            tree_args = () if len(tokens) == 1 or is_chain(tree) else (tree_depths(tree), ancestor_mask(tree))
             clock("tensorize")  # 2. tensorize (chains need no mask)
-            logits = fwd(tree.tokens, *tree_args)  # 3. forward: [n, vocab]
+            logits = fwd(tokens, *tree_args)  # 3. forward: [n, vocab]
             clock("forward")
             walk = chooser.walk(tree, logits, prompt + out)  # 4. verify
             clock("verify")
             fwd.keep(walk.path)  # 5. compact KV
             clock("compact")
-            prevs = [prev_anchor] + [tree.tokens[p] for p in tree.parents[1:]]
-            method.harvest(tree.tokens, prevs, logits)  # 6. harvest
+            prevs = [prev_anchor] + [tokens[p] for p in tree.all_parents[1:]]
+            method.harvest(tokens, prevs, logits)  # 6. harvest
             method.observe(tree, walk)
             clock("harvest")
             before = len(out)

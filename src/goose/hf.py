@@ -76,11 +76,10 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
         raise GooseError(f"nothing to generate: max_length {gc.max_length} <= prompt length {len(prompt)}")
     record = bool(gc.return_dict_in_generate and (gc.output_scores or gc.output_logits))
     chooser = Chooser(logits_processor, bool(gc.do_sample), None, record)
-    stop = None
-    if stopping_criteria:
-        def stop(generated: list[int]) -> bool:
-            ids = torch.tensor([prompt + generated], device=input_ids.device)
-            return bool(stopping_criteria(ids, None).any())
+
+    def stop(generated: list[int]) -> bool:
+        ids = torch.tensor([prompt + generated], device=input_ids.device)
+        return bool(stopping_criteria(ids, None).any())
     on_tokens = None
     if goose_streamer is not None:  # the directory entry: transformers left the prompt to us
         goose_streamer.put(input_ids.cpu())
@@ -88,7 +87,8 @@ def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopp
         on_tokens = lambda block: streamer.put(torch.tensor(block))  # noqa: E731
     dec = _decoder(model, goose_method, goose_config)
     try:
-        out, _ = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=max_new), chooser, stop, on_tokens,
+        out, _ = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=max_new), chooser,
+                                  stop if stopping_criteria else None, on_tokens,
                                   eos=_eos(gc))
     finally:
         if streamer is not None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from .acceptance import SHORT, AcceptanceModel, match_kind
 from .adjacency import AdjacencyTable
-from .baselines import build_chain, build_isotropic_tree, build_tr_tree
-from .config import AdjacencyConfig, GooseConfig, IsotropicConfig, PLDConfig, TRConfig
+from .baselines import build_chain, build_isotropic_tree, build_tr_tree, build_trie
+from .config import AdjacencyConfig, GooseConfig, IsotropicConfig, LookaheadConfig, PLDConfig, RestConfig, TRConfig
 from .costmodel import CostCurve, load_or_measure
+from .datastore import Datastore, check_tokenizer
+from .datastore import load as load_datastore
 from .errors import GooseError
+from .lookahead import JacobiWindow, NgramPool
 from .ngram import NgramIndex
 from .selector import select
 from .spine import build_spine_tree, tree_budget
@@ -26,8 +29,8 @@ class Method:
     def begin(self, tokens: list[int]) -> None:
         """A new request whose committed tokens (prompt + first generated token) are `tokens`."""
 
-    def prepare(self, model, forward) -> None:
-        """Called once by the Decoder with the model and its forward backend."""
+    def prepare(self, model, forward, tokenizer=None) -> None:
+        """Called once by the Decoder with the model, its forward backend and tokenizer (or None)."""
 
     def draft(self, anchor: int, prev: int | None) -> DraftTree:
         return DraftTree.root(anchor, route="ar")
@@ -168,7 +171,7 @@ class DeviceAwareGoose(GoosePaper):
             self.candidate_cfg = self.cfg.with_budget(size)
             self.cost_table = cost.table(size)
 
-    def prepare(self, model, forward) -> None:
+    def prepare(self, model, forward, tokenizer=None) -> None:
         if self.cost is None:
             self._set_cost(load_or_measure(model, forward))
 
@@ -195,7 +198,68 @@ class DeviceAwareGoose(GoosePaper):
             self.acc.update(tree, self.acc.keys(tree, self._kind), walk)
 
 
-METHODS = ("ar", "pld", "tr", "iso3", "iso5", "goose-paper", "goose")
+class Lookahead(Method):
+    """Lookahead decoding: each step verifies the anchor's pooled n-grams as a trie and, in the same
+    forward, advances the Jacobi window whose trajectories fill the pool (spec §9, `lookahead.py`)."""
+
+    name = "lookahead"
+
+    def __init__(self, cfg: LookaheadConfig = LookaheadConfig()) -> None:
+        self.cfg = cfg
+        self._tree_size: int | None = None  # tree nodes of the pending step (window rows follow)
+
+    def begin(self, tokens: list[int]) -> None:
+        self.pool = NgramPool(self.cfg.guess_set_size)
+        self.window = JacobiWindow(self.cfg, tokens)
+        self._tree_size = None
+
+    def draft(self, anchor: int, prev: int | None) -> DraftTree:
+        tree = DraftTree.root(anchor)
+        for guess in self.pool.guesses(anchor):
+            tree.insert(list(guess), SPINE)
+        if len(tree) == 1:
+            tree.route = "ar"
+        self.window.attach(tree)
+        self._tree_size = len(tree)
+        return tree
+
+    def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
+        n, self._tree_size = self._tree_size, None
+        if n is None or len(tokens) - n != self.window.size:  # prefill, or the window was cut off
+            return
+        for gram in self.window.update(logits[n:].argmax(-1).tolist()):
+            self.pool.add(gram)
+
+
+class Rest(Method):
+    """REST: continuations of the longest context suffix found in a datastore, merged into a frequency
+    trie of at most `node_budget` nodes (spec §9, `datastore.py`)."""
+
+    name = "rest"
+
+    def __init__(self, cfg: RestConfig = RestConfig(), store: Datastore | None = None) -> None:
+        self.cfg = cfg
+        self.store = store
+
+    def prepare(self, model, forward, tokenizer=None) -> None:
+        if self.store is None:
+            self.store = load_datastore(self.cfg.datastore)
+        check_tokenizer(self.store, tokenizer, model.get_output_embeddings().weight.shape[0])
+
+    def begin(self, tokens: list[int]) -> None:
+        self.context = list(tokens)
+
+    def draft(self, anchor: int, prev: int | None) -> DraftTree:
+        c = self.cfg
+        conts = self.store.continuations(self.context, c.continuation_length, c.max_continuations,
+                                         c.max_suffix, c.min_suffix)
+        return build_trie(anchor, conts, c.node_budget)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.context.extend(tokens)
+
+
+METHODS = ("ar", "pld", "tr", "iso3", "iso5", "goose-paper", "goose", "lookahead", "rest")
 
 
 def make_method(name: str, vocab_size: int, config: GooseConfig | None = None,
@@ -213,6 +277,10 @@ def make_method(name: str, vocab_size: int, config: GooseConfig | None = None,
         return GoosePaper(vocab_size, cfg)
     if name == "goose":
         return DeviceAwareGoose(vocab_size, cfg, cost)
+    if name == "lookahead":
+        return Lookahead()
+    if name == "rest":
+        return Rest()
     raise GooseError(f"unknown method '{name}'; choose one of: {', '.join(METHODS)}")
 
 

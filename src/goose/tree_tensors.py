@@ -9,8 +9,23 @@ For the tree 0 -> 1 -> 2, 0 -> 3 (node 0 = root) verified after a cache of P tok
     2 [ 1 1 1 . ]          P + 2
     3 [ 1 . . 1 ]          P + 1
 
-Every node also sees all P prefix columns. The model gets an additive float mask: 0 where allowed,
-``finfo(dtype).min`` elsewhere (a boolean mask is silently wrong under eager attention).
+Every node also sees all P prefix columns. Extra nodes (`DraftTree.add_extra`) are more rows of the same
+construction: each sees its ancestors and sits at P + its depth. A Lookahead step (window W = 2, two
+levels) under the root 0 with one verification candidate 1; extras 2 - 3 are level 0 (a chain off the
+root), 4 and 5 are level 1 (under columns 0 and 1 of level 0)::
+
+    0 - 1                 allowed                 positions
+    0 - 2 - 3                 0 1 2 3 4 5
+        |   |             0 [ 1 . . . . . ]       P + 0
+        4   5             1 [ 1 1 . . . . ]       P + 1   candidate
+                          2 [ 1 . 1 . . . ]       P + 1   level 0, column 0
+                          3 [ 1 . 1 1 . . ]       P + 2   level 0, column 1
+                          4 [ 1 . 1 . 1 . ]       P + 2   level 1, column 0
+                          5 [ 1 . 1 1 . 1 ]       P + 3   level 1, column 1
+
+Everything is cached by the parent tuple (`DraftTree.topology`), extras included. The model gets an
+additive float mask: 0 where allowed, ``finfo(dtype).min`` elsewhere (a boolean mask is silently wrong
+under eager attention).
 
 A sliding-window layer of window W sees, from a query at position q, only keys at positions > q - W
 (the query itself and the W - 1 before it, as in Hugging Face's sliding mask). Prefix entry j sits at

@@ -12,7 +12,7 @@ from ..config import DecodeConfig
 from ..errors import GooseError
 from ..model import DEFAULT_MODEL
 from . import datasets, store
-from .engines import ALL_METHODS
+from .engines import ALL_METHODS, method_settings
 from .plots import write_plots
 from .report import console_table, render
 from .runner import Runner, with_reference
@@ -54,6 +54,7 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
             raise GooseError(f"{out} holds a run with {key}={old.get(key)!r}, not {pinned[key]!r}; "
                              f"use another --out directory")
     methods = with_reference(args.methods)
+    settings = method_settings(methods)  # a missing datastore fails here, before the model load
     if args.threads is not None:
         import torch
 
@@ -64,6 +65,7 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
                     sampling=pinned["sampling"])
     meta = {**store.environment(pinned["model"], model, args.dtype, args.device, argv), **pinned,
             "dataset": dataset, "repeats": args.repeats,
+            "method_settings": {**(old or {}).get("method_settings", {}), **settings},
             "methods": methods + [m for m in (old or {}).get("methods", []) if m not in methods]}
     store.open_run(out, meta)
     print(f"bench: {len(questions)} questions x {len(methods)} methods ({', '.join(methods)}), "

@@ -9,10 +9,12 @@ cache length before each one, which gives tokens per forward and per-step accept
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import torch
 
-from ..config import DecodeConfig
+from .. import datastore
+from ..config import DecodeConfig, LookaheadConfig, RestConfig
 from ..decoding import Decoder
 from ..errors import GooseError
 from ..methods import METHODS
@@ -99,6 +101,20 @@ def hf_stats(out: list[int], starts: list[int], prompt_len: int, wall: float) ->
 
 def _first(ids):
     return ids[0] if isinstance(ids, (list, tuple)) else ids
+
+
+def method_settings(methods: list[str]) -> dict:
+    """The configurations of the baselines that have one, for run.json and the report; `rest` also names
+    its datastore (refused here, before any model load, when the store is missing)."""
+    out: dict = {}
+    if "lookahead" in methods:
+        out["lookahead"] = asdict(LookaheadConfig())
+    if "rest" in methods:
+        cfg = RestConfig()
+        info = datastore.load(cfg.datastore).info()
+        out["rest"] = {**asdict(cfg), "store": {k: info.get(k) for k in ("name", "path", "model", "sources", "docs",
+                                                                         "tokens", "bytes", "max_docs")}}
+    return out
 
 
 def make_engine(model, tokenizer, method: str, config=None, sampling: dict | None = None):

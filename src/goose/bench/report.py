@@ -54,6 +54,23 @@ def category_table(summary: dict, key: str, spec: str) -> list[str]:
     return _table(["method"] + cats, rows)
 
 
+def settings_lines(settings: dict, methods: list[str]) -> list[str]:
+    """One line per configured baseline in the run: its configuration, and REST's datastore."""
+    out = []
+    for m in methods:
+        cfg = dict(settings.get(m) or {})
+        if not cfg:
+            continue
+        st = cfg.pop("store", None)
+        line = f"- {m}: " + ", ".join(f"{k}={v}" for k, v in cfg.items())
+        if st:
+            sources = ", ".join(f"{k} ({v} docs)" for k, v in (st.get("sources") or {}).items())
+            line += (f"; datastore `{st.get('name')}` ({sources}; {st.get('tokens'):,} tokens, "
+                     f"{(st.get('bytes') or 0) / 2**20:.0f} MiB, tokenizer of {st.get('model')})")
+        out.append(line)
+    return out
+
+
 def render(summary: dict, plots: list[Path]) -> str:
     meta = summary["meta"]
     v = meta.get("versions", {})
@@ -66,6 +83,7 @@ def render(summary: dict, plots: list[Path]) -> str:
            f"- versions: goose {v.get('goose')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
            f"python {v.get('python')}; commit `{meta.get('git_commit')}`"]
     out += [f"- command: `{c}`" for c in meta.get("commands", [])]
+    out += settings_lines(meta.get("method_settings") or {}, summary["methods"])
     if summary.get("left_out"):
         out.append("- left out (not answered by every method yet): "
                    + ", ".join(f"{m} {n}" for m, n in summary["left_out"].items()))
