@@ -187,10 +187,12 @@ class Decoder:
         fwd.reset()
         fwd.owner = owner = object()  # this request's claim on the (possibly shared) forward and its cache
         prev = -1
-        for s in range(0, len(prompt), cfg.prefill_chunk):  # prefill, harvesting every position
+        harvest = method.harvests_prefill
+        for s in range(0, len(prompt), cfg.prefill_chunk):  # prefill, harvesting every position if asked
             chunk = prompt[s : s + cfg.prefill_chunk]
-            logits = fwd(chunk)  # [len(chunk), vocab]
-            method.harvest(chunk, [prev] + chunk[:-1], logits)
+            logits = fwd(chunk, last_only=not harvest)  # [len(chunk) or 1, vocab]
+            if harvest:
+                method.harvest(chunk, [prev] + chunk[:-1], logits)
             prev = chunk[-1]
         stats.forward_calls = 1
         out: list[int] = []

@@ -97,6 +97,7 @@ class HFForward:
         check_attention(model)
         self.kinds, self.window = attention_layers(model)
         self.model = model
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache = None
@@ -111,8 +112,9 @@ class HFForward:
         return cache_length(self.cache)
 
     def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
-                 allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[n, vocab]`` for `tokens` appended after the cache.
+                 allowed: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits ``[n, vocab]`` for `tokens` appended after the cache (``[1, vocab]``, the last token's,
+        with `last_only`: a prefill that nothing harvests skips the vocabulary projection elsewhere).
 
         With `allowed` (``[n, n]`` ancestor mask) and `depths` (``[n]``) the tokens form a tree;
         without, they form a causal run.
@@ -130,9 +132,10 @@ class HFForward:
                 depths, allowed = torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril_()
             pos = (depths.to(self.device) + p)[None]  # [1, n]
             mask = self._masks(allowed, depths, p)
-        out = self.model(ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True)
+        keep = {"logits_to_keep": 1} if last_only and self._keeps_logits else {}
+        out = self.model(ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, **keep)
         self._prefix = p
-        return out.logits[0]  # [n, vocab]
+        return out.logits[0, -1:] if last_only else out.logits[0]  # [n or 1, vocab]
 
     def _masks(self, allowed: torch.Tensor, depths: torch.Tensor, p: int):
         """The 4D mask ``[1, 1, n, p + n]`` for the model's layers, or a dict of them by layer kind."""

@@ -249,8 +249,9 @@ class LeanForward:
 
     @torch.inference_mode()
     def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
-                 allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[n, vocab]`` for `tokens` appended after the cache (a causal run, or a tree)."""
+                 allowed: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits ``[n, vocab]`` for `tokens` appended after the cache (a causal run, or a tree); only the
+        last token's ``[1, vocab]`` with `last_only`."""
         if self.kv is None:
             self.reset()
         p, n = self._len, len(tokens)
@@ -314,4 +315,6 @@ class LeanForward:
             x = x + L.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])  # [n, hid]
 
         self._prefix, self._len = p, total
-        return self.lm_head(self._rms(x, self.norm, self.norm_eps))  # [n, vocab]
+        if last_only:
+            x = x[-1:]  # [1, hid]
+        return self.lm_head(self._rms(x, self.norm, self.norm_eps))  # [n or 1, vocab]

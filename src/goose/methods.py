@@ -25,6 +25,7 @@ from .verify import WalkResult
 
 class Method:
     name = "base"
+    harvests_prefill = False  # True: `harvest` needs the logits of every prompt position
 
     def begin(self, tokens: list[int]) -> None:
         """A new request whose committed tokens (prompt + first generated token) are `tokens`."""
@@ -73,6 +74,8 @@ class PLD(Method):
 
 class _AdjacencyMethod(Method):
     """Shared harvest / reset logic for methods that keep an adjacency table."""
+
+    harvests_prefill = True
 
     def __init__(self, vocab_size: int, adj_cfg: AdjacencyConfig) -> None:
         self.adj = AdjacencyTable(vocab_size, adj_cfg)
