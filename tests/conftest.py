@@ -21,8 +21,11 @@ def make_tiny_llama(dtype=torch.float64, seed: int = 0, vocab: int = TINY_VOCAB,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       eos_token_id=TINY_EOS, bos_token_id=0, pad_token_id=0, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).to(dtype).eval()
-    # Larger weights than the init default give peaked, repetitive greedy text (exercises the spine).
+    return peaked(LlamaForCausalLM(cfg).to(dtype).eval())
+
+
+def peaked(model):
+    """Larger weights than the init default give peaked, repetitive greedy text (exercises the spine)."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

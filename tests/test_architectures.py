@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from conftest import TINY_EOS, TINY_VOCAB, hf_greedy
+from conftest import TINY_EOS, TINY_VOCAB, hf_greedy, peaked
 from goose.config import DecodeConfig
 from goose.costmodel import CostCurve
 from goose.decoding import Decoder, default_forward
@@ -65,14 +65,7 @@ def tiny(arch: str):
         torch.manual_seed(0)
         cfg = _configs()[arch]()
         cfg._attn_implementation = "sdpa"
-        model = AutoModelForCausalLM.from_config(cfg).to(torch.float64).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.mul_(8.0)
-        model.generation_config.eos_token_id = TINY_EOS
-        model.generation_config.pad_token_id = 0
-        _MODELS[arch] = model
+        _MODELS[arch] = peaked(AutoModelForCausalLM.from_config(cfg).to(torch.float64).eval())
     return _MODELS[arch]
 
 

@@ -260,13 +260,19 @@ def test_hf_stats_from_cache_lengths():
     assert hf_stats([1, 2, 3], [0, 9, 9], 5, 1.0)["accept_lengths"] is None  # inconsistent: not guessed
 
 
-def test_cli_bench_on_a_model_directory(tiny, tmp_path, capsys):
-    from goose.cli import main
-
+def saved(tiny, tmp_path) -> Path:
+    """The tiny model and tokenizer as a Hugging Face model directory."""
     model, tok = tiny
     mdir = tmp_path / "model"
     model.save_pretrained(mdir)
     tok.save_pretrained(mdir)
+    return mdir
+
+
+def test_cli_bench_on_a_model_directory(tiny, tmp_path, capsys):
+    from goose.cli import main
+
+    mdir = saved(tiny, tmp_path)
     data = tmp_path / "q.jsonl"
     data.write_text('{"id": "a", "category": "x", "turns": ["Write a short story about a robot"]}\n'
                     '{"id": "b", "category": "y", "turns": ["What is the capital of France ?"]}\n')
@@ -284,10 +290,7 @@ def test_cli_bench_on_a_model_directory(tiny, tmp_path, capsys):
 def test_sampled_bench_checks_goose_methods_and_leaves_hf_unchecked(tiny, tmp_path, capsys):
     from goose.cli import main
 
-    model, tok = tiny
-    mdir = tmp_path / "model"
-    model.save_pretrained(mdir)
-    tok.save_pretrained(mdir)
+    mdir = saved(tiny, tmp_path)
     data = tmp_path / "q.jsonl"
     data.write_text('{"id": "a", "category": "x", "turns": ["Write a short story about a robot"]}\n')
     out = tmp_path / "out"
@@ -309,10 +312,7 @@ def test_cli_bench_runs_lookahead_and_rest_and_reports_their_settings(tiny, tmp_
     from goose import datastore
     from goose.cli import main
 
-    model, tok = tiny
-    mdir = tmp_path / "model"
-    model.save_pretrained(mdir)
-    tok.save_pretrained(mdir)
+    mdir = saved(tiny, tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     out = tmp_path / "out"
     argv = ["bench", "--model", str(mdir), "--dataset", "builtin", "--limit", "1", "--categories", "coding",
@@ -322,7 +322,7 @@ def test_cli_bench_runs_lookahead_and_rest_and_reports_their_settings(tiny, tmp_
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text(" ".join(t for q in BUILTIN for t in q.turns))
-    datastore.build(tok, [str(corpus)], model=str(mdir))
+    datastore.build(tiny[1], [str(corpus)], model=str(mdir))
     assert main(argv) == 0
     report = (out / "report.md").read_text()
     assert "- lookahead: window=7, ngram_size=5, guess_set_size=7" in report

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import make_tiny_llama
+from conftest import hf_greedy, make_tiny_llama
 from goose import costmodel
 from goose.acceptance import CONSENSUS, SHORT, AcceptanceModel
 from goose.config import AcceptanceConfig
@@ -127,3 +127,20 @@ def test_selector_returns_plain_step_when_trees_do_not_pay():
     tree = small_tree()
     chosen, e = select(tree, [1.0] + [0.5] * 5, [0.0, 1.0] + [100.0] * 10)
     assert len(chosen) == 1 and chosen.route == "ar" and e == 0.0
+
+
+@pytest.mark.parametrize("tail, chunk", [(5, 8), (12, 8), (None, 8), (0, 7), (64, 512)])
+def test_prefill_harvest_reads_only_the_last_prompt_positions(tiny_model, tail, chunk):
+    from dataclasses import replace
+
+    from goose.config import DecodeConfig, DeviceAwareConfig, GooseConfig
+    from goose.decoding import Decoder
+
+    prompt = list(range(2, 32))  # 30 distinct tokens: each row of the table belongs to one position
+    cfg = GooseConfig(device_aware=replace(DeviceAwareConfig(), prefill_harvest=tail))
+    dec = Decoder(tiny_model, None, "goose", cfg, cost=CostCurve((1, 128), (10.0, 10.5)))
+    out, _ = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=1, prefill_chunk=chunk))
+    harvested = {t for t in prompt if dec.method.adj.observed[t]}
+    k = len(prompt) if tail is None else min(tail, len(prompt))
+    assert harvested == set(prompt[len(prompt) - k:])
+    assert out == hf_greedy(tiny_model, prompt, 1)

@@ -148,7 +148,8 @@ def test_device_aware_goose_falls_back_to_plain_steps_when_trees_do_not_pay(tiny
 
 
 @pytest.mark.parametrize("backend", ["hf", "lean"])
-def test_last_only_prefill_gives_the_last_row_and_the_same_cache(tiny_model, backend):
+@pytest.mark.parametrize("keep", [1, 3])
+def test_keep_last_gives_the_last_rows_and_the_same_cache(tiny_model, backend, keep):
     rng = random.Random(5)
     prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(20)]
     make = HFForward if backend == "hf" else LeanForward
@@ -157,8 +158,8 @@ def test_last_only_prefill_gives_the_last_row_and_the_same_cache(tiny_model, bac
         full.reset()
         last.reset()
         ref = full(prompt)
-        got = last(prompt, last_only=True)
-        assert got.shape == (1, TINY_VOCAB)
-        torch.testing.assert_close(got[0], ref[-1], rtol=1e-12, atol=1e-12)
+        got = last(prompt, keep_last=keep)
+        assert got.shape == (keep, TINY_VOCAB)
+        torch.testing.assert_close(got, ref[-keep:], rtol=1e-12, atol=1e-12)
         nxt = [3, 4, 5]  # the cache is the same: the next call agrees
         torch.testing.assert_close(last(nxt), full(nxt), rtol=1e-12, atol=1e-12)

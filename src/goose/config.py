@@ -163,6 +163,10 @@ class DeviceAwareConfig:
 
     candidate_budget: int = 96  # nodes of the candidate tree, root included (capped by the cost curve)
     carry_over: bool = True  # keep acceptance statistics across requests of one decoder
+    # prompt positions (the last k) harvested into the adjacency table at prefill; None: all (as goose-paper).
+    # Each costs a vocabulary-wide projection; measured on the CPU (benchmarks/prefill_harvest.py), τ was the
+    # same for 0, 64 and all, and 0 was 3-5% faster, so goose harvests from verification steps only.
+    prefill_harvest: int | None = 0
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
 
 @dataclass(frozen=True)

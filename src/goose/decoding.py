@@ -186,13 +186,16 @@ class Decoder:
         t0 = time.perf_counter()
         fwd.reset()
         fwd.owner = owner = object()  # this request's claim on the (possibly shared) forward and its cache
+        method.start()
         prev = -1
-        harvest = method.harvests_prefill
-        for s in range(0, len(prompt), cfg.prefill_chunk):  # prefill, harvesting every position if asked
+        tail = len(prompt) if method.prefill_harvest is None else method.prefill_harvest
+        for s in range(0, len(prompt), cfg.prefill_chunk):  # prefill, harvesting the last `tail` positions
             chunk = prompt[s : s + cfg.prefill_chunk]
-            logits = fwd(chunk, last_only=not harvest)  # [len(chunk) or 1, vocab]
-            if harvest:
-                method.harvest(chunk, [prev] + chunk[:-1], logits)
+            prevs = [prev] + chunk[:-1]
+            k = min(len(chunk), max(0, s + len(chunk) - (len(prompt) - tail)))  # harvested positions here
+            logits = fwd(chunk, keep_last=max(k, 1))  # [max(k, 1), vocab]
+            if k:
+                method.harvest(chunk[-k:], prevs[-k:], logits[-k:])
             prev = chunk[-1]
         stats.forward_calls = 1
         out: list[int] = []

@@ -112,9 +112,9 @@ class HFForward:
         return cache_length(self.cache)
 
     def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
-                 allowed: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-        """Logits ``[n, vocab]`` for `tokens` appended after the cache (``[1, vocab]``, the last token's,
-        with `last_only`: a prefill that nothing harvests skips the vocabulary projection elsewhere).
+                 allowed: torch.Tensor | None = None, keep_last: int | None = None) -> torch.Tensor:
+        """Logits ``[n, vocab]`` for `tokens` appended after the cache; only the last `keep_last` rows
+        (>= 1) when given, so a prefill skips the vocabulary projection where nothing reads it.
 
         With `allowed` (``[n, n]`` ancestor mask) and `depths` (``[n]``) the tokens form a tree;
         without, they form a causal run.
@@ -132,10 +132,10 @@ class HFForward:
                 depths, allowed = torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril_()
             pos = (depths.to(self.device) + p)[None]  # [1, n]
             mask = self._masks(allowed, depths, p)
-        keep = {"logits_to_keep": 1} if last_only and self._keeps_logits else {}
+        keep = {"logits_to_keep": keep_last} if keep_last and self._keeps_logits else {}
         out = self.model(ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, **keep)
         self._prefix = p
-        return out.logits[0, -1:] if last_only else out.logits[0]  # [n or 1, vocab]
+        return out.logits[0, -keep_last:] if keep_last else out.logits[0]  # [n or keep_last, vocab]
 
     def _masks(self, allowed: torch.Tensor, depths: torch.Tensor, p: int):
         """The 4D mask ``[1, 1, n, p + n]`` for the model's layers, or a dict of them by layer kind."""

@@ -249,9 +249,9 @@ class LeanForward:
 
     @torch.inference_mode()
     def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
-                 allowed: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+                 allowed: torch.Tensor | None = None, keep_last: int | None = None) -> torch.Tensor:
         """Logits ``[n, vocab]`` for `tokens` appended after the cache (a causal run, or a tree); only the
-        last token's ``[1, vocab]`` with `last_only`."""
+        last `keep_last` rows (>= 1) when given."""
         if self.kv is None:
             self.reset()
         p, n = self._len, len(tokens)
@@ -315,6 +315,6 @@ class LeanForward:
             x = x + L.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])  # [n, hid]
 
         self._prefix, self._len = p, total
-        if last_only:
-            x = x[-1:]  # [1, hid]
-        return self.lm_head(self._rms(x, self.norm, self.norm_eps))  # [n or 1, vocab]
+        if keep_last:
+            x = x[-keep_last:]  # [keep_last, hid]
+        return self.lm_head(self._rms(x, self.norm, self.norm_eps))  # [n or keep_last, vocab]

@@ -25,10 +25,13 @@ from .verify import WalkResult
 
 class Method:
     name = "base"
-    harvests_prefill = False  # True: `harvest` needs the logits of every prompt position
+    prefill_harvest: int | None = 0  # prompt positions (the last k) whose logits `harvest` reads; None: all
+
+    def start(self) -> None:
+        """A new request begins: called before its prefill (whose logits `harvest` may read)."""
 
     def begin(self, tokens: list[int]) -> None:
-        """A new request whose committed tokens (prompt + first generated token) are `tokens`."""
+        """After the prefill: the request's committed tokens (prompt + first generated token) are `tokens`."""
 
     def prepare(self, model, forward, tokenizer=None) -> None:
         """Called once by the Decoder with the model, its forward backend and tokenizer (or None)."""
@@ -75,13 +78,13 @@ class PLD(Method):
 class _AdjacencyMethod(Method):
     """Shared harvest / reset logic for methods that keep an adjacency table."""
 
-    harvests_prefill = True
+    prefill_harvest = None  # the adjacency table learns from every prompt position (spec §4)
 
     def __init__(self, vocab_size: int, adj_cfg: AdjacencyConfig) -> None:
         self.adj = AdjacencyTable(vocab_size, adj_cfg)
 
-    def begin(self, tokens: list[int]) -> None:
-        if not self.adj.cfg.hot_start:
+    def start(self) -> None:
+        if not self.adj.cfg.hot_start:  # before the prefill, so its harvest is kept
             self.adj.reset()
 
     def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
@@ -164,6 +167,7 @@ class DeviceAwareGoose(GoosePaper):
     def __init__(self, vocab_size: int, cfg: GooseConfig = GooseConfig(), cost: CostCurve | None = None) -> None:
         super().__init__(vocab_size, cfg)
         self.acc = AcceptanceModel(cfg.device_aware.acceptance)
+        self.prefill_harvest = cfg.device_aware.prefill_harvest
         self._kind = SHORT
         self._set_cost(cost)
 
