@@ -35,12 +35,12 @@ def peaked(model):
     return model
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int = TINY_EOS) -> list[int]:
     """Reference: Hugging Face greedy `model.generate`, generated tokens only."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
-                             max_new_tokens=max_new_tokens, eos_token_id=TINY_EOS, pad_token_id=0)
+                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

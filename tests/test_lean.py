@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import hf_greedy
 from goose.config import DecodeConfig
 from goose.decoding import Decoder
 from goose.errors import GooseError
@@ -195,14 +196,6 @@ def test_tree_nodes_equal_plain_forward(llama64, seed):
 
 
 # ---- (3) lossless: every method equals greedy generate ------------------------------------------------------
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
-                             max_new_tokens=max_new_tokens, eos_token_id=EOS, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 prompts = st.one_of(
     st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=40),  # random
     st.tuples(st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=6), st.integers(2, 8))
@@ -214,7 +207,7 @@ prompts = st.one_of(
                                                                   HealthCheck.function_scoped_fixture])
 @given(prompt=prompts, n_new=st.integers(1, 40))
 def test_decoder_with_lean_equals_generate(llama64, prompt, n_new):
-    ref = hf_greedy(llama64, prompt, n_new)
+    ref = hf_greedy(llama64, prompt, n_new, EOS)
     lean = LeanForward(llama64)  # one forward shared by all methods (reset per request)
     for method in ("ar", "pld", "tr", "goose-paper"):
         out, _ = Decoder(llama64, None, method, forward=lean).generate_ids(prompt, DecodeConfig(n_new))
@@ -273,7 +266,7 @@ def test_qwen2_matches_hf_and_generate():
     assert_same(play(LeanForward(model), script), play(HFForward(model), script), atol=1e-9)
     prompt = [5, 9, 14, 5, 9, 14, 5, 9]
     out, _ = Decoder(model, None, "goose-paper", forward=LeanForward(model)).generate_ids(prompt, DecodeConfig(30))
-    ref = hf_greedy(model, prompt, 30)
+    ref = hf_greedy(model, prompt, 30, EOS)
     assert out == ref
 
 
@@ -295,7 +288,7 @@ def test_qwen3_q_k_norms_match_hf_and_generate():
     assert_same(play(LeanForward(model), script), play(HFForward(model), script), atol=1e-9)
     prompt = [5, 9, 14, 5, 9, 14, 5, 9]
     out, _ = Decoder(model, None, "goose-paper", forward=LeanForward(model)).generate_ids(prompt, DecodeConfig(30))
-    assert out == hf_greedy(model, prompt, 30)
+    assert out == hf_greedy(model, prompt, 30, EOS)
 
 
 def test_rope_scaling_variant_matches_hf():

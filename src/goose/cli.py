@@ -59,13 +59,17 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_options(args) -> dict:
-    """DecodeConfig sampling fields from --temperature / --top-k / --top-p / --seed (temperature 0: greedy)."""
+    """DecodeConfig sampling fields from --temperature / --top-k / --top-p / --seed (temperature 0: greedy),
+    checked together with --max-new-tokens, so bad values fail before any model loads."""
     if args.temperature == 0:
         if args.top_k is not None or args.top_p is not None:
             raise GooseError("--top-k / --top-p need sampling: give --temperature > 0")
-        return {}
-    return {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "seed": args.seed}
+        options = {}
+    else:
+        options = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                   "seed": args.seed}
+    DecodeConfig(max_new_tokens=args.max_new_tokens, **options)
+    return options
 
 
 def _read_prompt(args) -> str:
@@ -105,7 +109,6 @@ def cmd_generate(args) -> int:
     if args.stream and args.json:
         raise GooseError("--stream prints text as it is accepted; it cannot be combined with --json")
     options = sampling_options(args)
-    DecodeConfig(max_new_tokens=args.max_new_tokens, **options)  # bad values fail before the model loads
     model, tok = load_model(args.model, args.dtype, args.device)
     dec = Decoder(model, tok, args.method)
     ids = dec.encode(prompt, chat=args.chat)

@@ -47,8 +47,15 @@ def eos_ids(model, tokenizer=None) -> set[int]:
         ids = getattr(model.config, "eos_token_id", None)
     if ids is None and tokenizer is not None:
         ids = tokenizer.eos_token_id
+    return id_set(ids)
+
+
+def id_set(ids) -> set[int]:
+    """Token ids given as None, one id, a list / tuple, or a tensor, as a set."""
     if ids is None:
         return set()
+    if isinstance(ids, torch.Tensor):
+        ids = ids.flatten().tolist()
     return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
 
 

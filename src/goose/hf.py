@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .config import DecodeConfig, GooseConfig
-from .decoding import Decoder
+from .decoding import Decoder, id_set
 from .errors import GooseError
 from .sampling import Chooser
 
@@ -42,13 +42,7 @@ def _decoder(model, method: str, config: GooseConfig | None) -> Decoder:
 
 def _eos(gc) -> set[int]:
     ids = getattr(gc, "_eos_token_tensor", None)
-    if ids is None:
-        ids = gc.eos_token_id
-    if ids is None:
-        return set()
-    if isinstance(ids, torch.Tensor):
-        return {int(i) for i in ids.flatten().tolist()}
-    return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
+    return id_set(gc.eos_token_id if ids is None else ids)
 
 
 def custom_generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None,
