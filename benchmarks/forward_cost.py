@@ -1,4 +1,5 @@
-"""Cost of one forward vs query size N: HFForward against LeanForward, interleaved in one run.
+"""Cost of one forward vs query size N: HFForward against LeanForward (with PyTorch's kernels and with
+goose's own CPU kernel, `goose.cpukernel`), interleaved in one run.
 
 Each timed call verifies a tree of N nodes on top of a KV cache of --cache-len tokens, then rolls the
 cache back (``keep([])``) so every call sees the same prefix. N = 1 is a plain single-token step (no mask),
@@ -82,7 +83,7 @@ def main() -> None:
     vocab = model.get_output_embeddings().weight.shape[0]
     rng = random.Random(0)
     prompt = [rng.randrange(3, vocab) for _ in range(args.cache_len)]
-    forwards = {"hf": HFForward(model), "lean": LeanForward(model)}
+    forwards = {"hf": HFForward(model), "lean-torch": LeanForward(model, kernel=False), "lean": LeanForward(model)}
     trees = {n: random_tree(rng, n) for n in sizes}
     toks = {n: [rng.randrange(3, vocab) for _ in range(n)] for n in sizes}
     times = {(name, n): [] for name in forwards for n in sizes}
@@ -102,17 +103,21 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in times.items()}
     gen_ms = statistics.median(gen)
+    names = list(forwards)
     print(f"model {args.model}, cache {args.cache_len} tokens, {torch.get_num_threads()} threads, "
-          f"{args.repeats} repeats, lean prepacked={forwards['lean'].prepacked}")
-    print(f"{'N':>5} {'HF ms':>9} {'lean ms':>9} {'lean/HF':>8} {'HF c(N)/c(1)':>13} {'lean c(N)/c(1)':>15}")
+          f"{args.repeats} repeats; weight kernels: "
+          + ", ".join(f"{k}={f.backend}" for k, f in forwards.items() if hasattr(f, "backend")))
+    print(f"{'N':>5} " + " ".join(f"{k + ' ms':>14}" for k in names) + " "
+          + " ".join(f"{k + ' c(N)/c(1)':>20}" for k in names) + f" {'lean/HF':>8}")
     for n in sizes:
-        h, lm = med[("hf", n)], med[("lean", n)]
-        h1, l1 = med[("hf", sizes[0])], med[("lean", sizes[0])]
-        print(f"{n:>5} {h:>9.1f} {lm:>9.1f} {lm / h:>8.2f} {h / h1:>13.2f} {lm / l1:>15.2f}")
+        print(f"{n:>5} " + " ".join(f"{med[(k, n)]:>14.1f}" for k in names) + " "
+              + " ".join(f"{med[(k, n)] / med[(k, sizes[0])]:>20.2f}" for k in names)
+              + f" {med[('lean', n)] / med[('hf', n)]:>8.2f}")
     print(f"HF generate greedy step: {gen_ms:.1f} ms/token (median over {args.generate_tokens} tokens, "
           f"{len(gen)} runs)")
     if 1 in sizes:
-        print(f"lean 1-token step / HF generate step: {med[('lean', 1)] / gen_ms:.2f}")
+        for k in names[1:]:
+            print(f"{k} 1-token step / HF generate step: {med[(k, 1)] / gen_ms:.2f}")
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

@@ -67,7 +67,8 @@ def curve_key(model, forward) -> str:
     cfg = model.config
     parts = [getattr(cfg, "model_type", "?"), getattr(cfg, "_name_or_path", ""),
              str(sum(p.numel() for p in model.parameters())), str(next(model.parameters()).dtype),
-             str(next(model.parameters()).device), f"threads={torch.get_num_threads()}", type(forward).__name__]
+             str(next(model.parameters()).device), f"threads={torch.get_num_threads()}", type(forward).__name__,
+             getattr(forward, "backend", "")]
     digest = hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
     return f"{parts[0]}-{digest}"
 

@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpukernel
+from .cpukernel import CpuLinear
 from .errors import GooseError
 from .forward import active_sliding_window
 
@@ -122,16 +124,27 @@ def supports(model) -> bool:
 
 
 class _Linear:
-    """y = x W^T + b. Float32 on CPU: a oneDNN-prepacked W for several rows, and W^T stored [in, out]
-    for a single row (MKL's gemv over that layout is ~2x faster than oneDNN at M = 1). Otherwise
-    `F.linear` with the plain weight."""
+    """y = x W^T + b with the fastest kernel available for float32 on this CPU:
 
-    __slots__ = ("weight", "bias", "packed", "wt")
+    * goose's own kernel (`cpukernel`, AVX2): W packed in 16-column panels, every row count;
+    * otherwise a oneDNN-prepacked W for several rows, and W^T stored [in, out] for a single row (MKL's
+      gemv over that layout is ~2x faster than oneDNN at M = 1);
+    * otherwise `F.linear` with the plain weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, gemv: bool) -> None:
+    __slots__ = ("weight", "bias", "packed", "wt", "kernel", "out")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, gemv: bool,
+                 kernel: CpuLinear | None = None) -> None:
         self.weight = weight.detach().contiguous()  # [out, in]
         self.bias = None if bias is None else bias.detach().contiguous()  # [out]
+        self.out = self.weight.shape[0]
         self.packed = self.wt = None
+        self.kernel = kernel
+        if kernel is not None:
+            self.packed = kernel.pack(self.weight)  # [out / 16, in, 16]
+            self.bias = kernel.pack_bias(self.bias, self.out)
+            self.weight = None
+            return
         if gemv:
             self.wt = self.weight.t().contiguous()  # [in, out]
         if prepack:
@@ -139,6 +152,8 @@ class _Linear:
             self.weight = None  # the packed copy replaces it (tied lm_head keeps the embedding alive)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [n, in] contiguous -> [n, out]
+        if self.kernel is not None:
+            return self.kernel.linear(x, self.packed, self.out, self.bias)
         if self.wt is not None and x.shape[0] == 1:
             return torch.mm(x, self.wt) if self.bias is None else torch.addmm(self.bias, x, self.wt)
         if self.packed is not None:
@@ -158,16 +173,16 @@ class _Layer:
 
     __slots__ = ("ln1", "eps1", "qkv", "o", "ln2", "eps2", "gate_up", "down", "qk_norm")
 
-    def __init__(self, layer, prepack: bool, gemv: bool) -> None:
+    def __init__(self, layer, prepack: bool, gemv: bool, kernel: CpuLinear | None) -> None:
         a, m = layer.self_attn, layer.mlp
         self.ln1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.ln2, self.eps2 = layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon
         qkv = [a.q_proj, a.k_proj, a.v_proj]
-        self.qkv = _Linear(torch.cat([p.weight.detach() for p in qkv]), _cat_bias(qkv), prepack, gemv)  # [(H+2K)D, hid]
-        self.o = _Linear(a.o_proj.weight, a.o_proj.bias, prepack, gemv)  # [hid, H*D]
+        self.qkv = _Linear(torch.cat([p.weight.detach() for p in qkv]), _cat_bias(qkv), prepack, gemv, kernel)  # [(H+2K)D, hid]
+        self.o = _Linear(a.o_proj.weight, a.o_proj.bias, prepack, gemv, kernel)  # [hid, H*D]
         gu = [m.gate_proj, m.up_proj]
-        self.gate_up = _Linear(torch.cat([p.weight.detach() for p in gu]), _cat_bias(gu), prepack, gemv)  # [2I, hid]
-        self.down = _Linear(m.down_proj.weight, m.down_proj.bias, prepack, gemv)  # [hid, I]
+        self.gate_up = _Linear(torch.cat([p.weight.detach() for p in gu]), _cat_bias(gu), prepack, gemv, kernel)  # [2I, hid]
+        self.down = _Linear(m.down_proj.weight, m.down_proj.bias, prepack, gemv, kernel)  # [hid, I]
         self.qk_norm = None  # qwen3: (q weight [D], q eps, k weight [D], k eps)
         if hasattr(a, "q_norm"):
             self.qk_norm = (a.q_norm.weight.detach(), a.q_norm.variance_epsilon,
@@ -177,8 +192,11 @@ class _Layer:
 class LeanForward:
     """Fast forward for llama / mistral / qwen2 / qwen3 models with a static in-place KV cache (see module doc)."""
 
-    def __init__(self, model, *, prepack: bool | None = None, gemv: bool | None = None) -> None:
-        """`prepack`: None = oneDNN prepacked weights when available (float32, CPU); False = `F.linear`.
+    def __init__(self, model, *, kernel: bool | None = None, prepack: bool | None = None,
+                 gemv: bool | None = None) -> None:
+        """`kernel`: None = goose's own AVX2 linear kernel when it is available here (float32 on an x86-64
+        CPU, see `cpukernel`); True = require it; False = PyTorch's kernels, as follows.
+        `prepack`: None = oneDNN prepacked weights when available (float32, CPU); False = `F.linear`.
         `gemv`: also keep W^T for single-row calls (None = when prepacked; doubles the weight memory)."""
         reason = unsupported_reason(model)
         if reason is not None:
@@ -186,11 +204,24 @@ class LeanForward:
         cfg, base = model.config, model.model
         w = base.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
-        can_pack = _mkldnn_available() and self.device.type == "cpu" and self.dtype == torch.float32
+        cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
+        kern = None
+        if kernel and (prepack or gemv):
+            raise GooseError("prepack / gemv select PyTorch's kernels: they cannot be combined with kernel=True")
+        if kernel or (kernel is None and not prepack and not gemv):
+            why = "it needs float32 weights on CPU" if not cpu_fp32 else cpukernel.unavailable_reason()
+            if why is None:
+                kern = cpukernel.kernel()
+            elif kernel:
+                raise GooseError(f"goose's CPU kernel cannot be used: {why}")
+        can_pack = kern is None and _mkldnn_available() and cpu_fp32
         if prepack and not can_pack:
             raise GooseError("oneDNN prepacking needs float32 weights on CPU and torch's mkldnn ops")
         self.prepacked = can_pack if prepack is None else bool(prepack)
         self.gemv = self.prepacked if gemv is None else bool(gemv)
+        # which kernel runs the weight multiplies (part of the cost-curve cache key)
+        self.backend = ("goose-avx2" if kern is not None else "onednn" if self.prepacked else "torch") + (
+            "+gemv" if self.gemv else "")
         attn = base.layers[0].self_attn
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads  # H, K
         self.head_dim = attn.head_dim  # D
@@ -199,9 +230,9 @@ class LeanForward:
         self.intermediate = base.layers[0].mlp.gate_proj.out_features  # I
         self.rotary = base.rotary_emb
         self.embed = w.detach()  # [vocab, hid]
-        self.layers = [_Layer(layer, self.prepacked, self.gemv) for layer in base.layers]
+        self.layers = [_Layer(layer, self.prepacked, self.gemv, kern) for layer in base.layers]
         self.norm, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
-        self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias, self.prepacked, self.gemv)  # [vocab, hid]
+        self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias, self.prepacked, self.gemv, kern)  # [vocab, hid]
         self.kv = None  # [layers, 2, K, capacity, D]
         self._len = 0  # filled cache entries
         self._prefix = 0  # cache length before the last call

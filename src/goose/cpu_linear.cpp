@@ -1,0 +1,108 @@
+// goose's small-batch float32 linear layer for x86-64 CPUs with AVX2 + FMA (built by cpukernel.py).
+//
+//   y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n])      x [M, K], w [N, K], y [M, N], row-major
+//
+// Why: a verification forward multiplies every weight matrix by 1 to ~16 rows. At those sizes a forward
+// is bound by reading the weights once; the BLAS/oneDNN kernels available to PyTorch on a small AVX2 CPU
+// stream them at ~half the memory bandwidth and slow down quickly as rows are added. This kernel reads
+// each weight once per call, whatever M is, and keeps every row's partial sums in registers.
+//
+// Layout: the weights are packed once as panels of 16 output columns, [ceil(N / 16)][K][16] (rows past N
+// are zero), so one panel is a single contiguous stream. Each OpenMP thread takes a contiguous range of
+// panels (the caller's torch thread count; torch's own libgomp runs the threads). Per panel, rows go in
+// tiles of up to 6: 6 rows x 16 columns = 12 ymm accumulators, 2 weight registers, 1 broadcast register.
+// The first tile of a panel prefetches the panel ahead; later tiles find it in L1/L2.
+//
+// Numerics: every output is one fused-multiply-add chain over k = 0..K-1 in order, per column, followed
+// by the bias add. The chain does not depend on M or on the row's tile, so a row's result is the same
+// whatever rows it is computed with (float32 rounding differs from BLAS's, as two BLAS builds differ).
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+namespace {
+
+constexpr int kPanel = 16;             // output columns per panel (two ymm registers)
+constexpr int kTile = 6;               // rows per register tile
+constexpr int kPrefetchBytes = 1024;   // how far ahead of the current row of the panel to prefetch
+
+inline void store(float* y, __m256 a0, __m256 a1, int cols, const float* bias) {
+  if (bias) {
+    a0 = _mm256_add_ps(a0, _mm256_loadu_ps(bias));
+    a1 = _mm256_add_ps(a1, _mm256_loadu_ps(bias + 8));
+  }
+  if (cols == kPanel) {
+    _mm256_storeu_ps(y, a0);
+    _mm256_storeu_ps(y + 8, a1);
+    return;
+  }
+  float buf[kPanel];
+  _mm256_storeu_ps(buf, a0);
+  _mm256_storeu_ps(buf + 8, a1);
+  memcpy(y, buf, sizeof(float) * cols);
+}
+
+#define GOOSE_ZERO(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps();
+#define GOOSE_FMA(i)                                              \
+  if constexpr (R > i) {                                          \
+    const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);      \
+    a##i##0 = _mm256_fmadd_ps(xv, w0, a##i##0);                   \
+    a##i##1 = _mm256_fmadd_ps(xv, w1, a##i##1);                   \
+  }
+#define GOOSE_STORE(i) \
+  if constexpr (R > i) store(y + i * ldy, a##i##0, a##i##1, cols, bias);
+
+// R rows (x, stride ldx) times one panel w [K][16] -> y (stride ldy), `cols` valid columns.
+template <int R, bool Prefetch>
+inline void tile(const float* x, int64_t ldx, int K, const float* w, float* y, int64_t ldy, int cols,
+                 const float* bias) {
+  GOOSE_ZERO(0) GOOSE_ZERO(1) GOOSE_ZERO(2) GOOSE_ZERO(3) GOOSE_ZERO(4) GOOSE_ZERO(5)
+  for (int k = 0; k < K; ++k) {
+    if constexpr (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * k) + kPrefetchBytes, _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(w + kPanel * k), w1 = _mm256_loadu_ps(w + kPanel * k + 8);
+    GOOSE_FMA(0) GOOSE_FMA(1) GOOSE_FMA(2) GOOSE_FMA(3) GOOSE_FMA(4) GOOSE_FMA(5)
+  }
+  GOOSE_STORE(0) GOOSE_STORE(1) GOOSE_STORE(2) GOOSE_STORE(3) GOOSE_STORE(4) GOOSE_STORE(5)
+}
+
+template <bool Prefetch>
+inline void rows(int r, const float* x, int64_t ldx, int K, const float* w, float* y, int64_t ldy, int cols,
+                 const float* bias) {
+  switch (r) {
+    case 6: tile<6, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
+    case 5: tile<5, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
+    case 4: tile<4, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
+    case 3: tile<3, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
+    case 2: tile<2, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
+    case 1: tile<1, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int goose_linear_abi(void) { return 1; }
+
+// x [M, K], packed [ceil(N / 16)][K][16], bias [ceil(N / 16) * 16] or null, y [M, N]; all contiguous.
+void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, const float* bias,
+                  float* y) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const float* w = packed + p * K * kPanel;
+    const int cols = static_cast<int>(N - p * kPanel < kPanel ? N - p * kPanel : kPanel);
+    const float* b = bias ? bias + p * kPanel : nullptr;
+    float* yp = y + p * kPanel;
+    for (int64_t m = 0; m < M; m += kTile) {
+      const int r = static_cast<int>(M - m < kTile ? M - m : kTile);
+      if (m == 0)
+        rows<true>(r, x, K, static_cast<int>(K), w, yp, N, cols, b);
+      else
+        rows<false>(r, x + m * K, K, static_cast<int>(K), w, yp + m * N, N, cols, b);
+    }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,153 @@
+"""goose's own float32 linear kernel for small batches on x86-64 CPUs (AVX2 + FMA), built on first use.
+
+`LeanForward` multiplies every weight matrix by the 1..~16 rows of a decoding step or a draft tree. On a
+small AVX2 CPU, PyTorch's kernels for those shapes (MKL, oneDNN) stream the weights at about half the
+memory bandwidth and get slower with every added row; ``cpu_linear.cpp`` reads each weight once per call
+whatever the row count (see that file for the layout and the numerics).
+
+The source is compiled once per machine with the system C++ compiler into
+``$XDG_CACHE_HOME/goose/kernels/`` (~2 s; the file name carries a hash of the source, the flags and the
+compiler, so an edit or another compiler rebuilds it) and loaded with ctypes. Its OpenMP threads are
+torch's own (the library links the libgomp torch has already loaded), so ``torch.set_num_threads``
+governs it too.
+
+`kernel()` returns the loaded kernel, or None, and `unavailable_reason()` says why not. It is None when:
+the CPU lacks AVX2/FMA or is not x86-64, torch is not built with GNU OpenMP, no compiler is found (``$CXX``,
+then ``c++``, ``g++``), the build fails, or ``GOOSE_CPU_KERNEL=0`` is set. Callers then use PyTorch's own
+kernels; results are the same up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from .model import cache_root
+
+SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+PANEL = 16  # output columns per packed panel (must match kPanel in the source)
+ENV_SWITCH = "GOOSE_CPU_KERNEL"
+
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _gnu_openmp_loaded() -> bool:
+    """True when torch runs on GNU OpenMP and this process has its libgomp loaded (so -fopenmp shares it)."""
+    if "OpenMP" not in torch.__config__.parallel_info():
+        return False
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libgomp" in line for line in f)
+    except OSError:
+        return False
+
+
+class CpuLinear:
+    """The loaded kernel: ``pack`` a weight once, then ``linear`` any number of rows against it."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._fn = lib.goose_linear
+        self._fn.restype = None
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                             ctypes.c_void_p, ctypes.c_void_p]
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """``[N, K]`` float32 -> panels ``[ceil(N / 16), K, 16]`` (rows past N are zero)."""
+        n, k = weight.shape
+        w = weight.detach().float().contiguous()
+        if n % PANEL:
+            w = torch.cat([w, w.new_zeros(PANEL - n % PANEL, k)])
+        return w.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def pack_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """``[N]`` -> zero-padded to a whole number of panels (the kernel reads 16 at a time)."""
+        if bias is None:
+            return None
+        b = bias.detach().float().contiguous()
+        return torch.cat([b, b.new_zeros((-n) % PANEL)]) if n % PANEL else b
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [M, K]`` (float32, CPU) times the packed ``[N, K]`` weight, plus bias: ``[M, N]``."""
+        x = x.contiguous()
+        m, k = x.shape
+        if packed.shape[1] != k:
+            raise ValueError(f"input has {k} features, the weight {packed.shape[1]}")
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._fn(x.data_ptr(), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr())
+        return y
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot be used here (None when it can); builds and loads it on first call."""
+    if "reason" not in _state:
+        _state["kernel"], _state["reason"] = _load()
+    return _state["reason"]  # type: ignore[return-value]
+
+
+def kernel() -> CpuLinear | None:
+    """The loaded kernel, or None (see `unavailable_reason`)."""
+    unavailable_reason()
+    return _state["kernel"]  # type: ignore[return-value]
+
+
+def _load() -> tuple[CpuLinear | None, str | None]:
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, f"switched off by {ENV_SWITCH}"
+    if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
+        return None, f"needs x86-64 Linux, not {platform.system()} {platform.machine()}"
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        return None, f"the CPU lacks {', '.join(sorted(missing))}"
+    if not _gnu_openmp_loaded():
+        return None, "torch does not run on GNU OpenMP (libgomp) here"
+    cxx = _compiler()
+    if cxx is None:
+        return None, "no C++ compiler found ($CXX, c++, g++)"
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(FLAGS), cxx, version]).encode()).hexdigest()[:16]
+        path = cache_root() / "kernels" / f"cpu_linear-{digest}.so"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.so")
+            done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                                  timeout=300)
+            if done.returncode != 0:
+                tmp.unlink(missing_ok=True)
+                return None, f"building {SOURCE.name} failed: {done.stderr.strip()[-500:]}"
+            os.replace(tmp, path)
+        lib = ctypes.CDLL(str(path))
+        if lib.goose_linear_abi() != 1:
+            return None, f"{path} is not this version of the kernel"
+        return CpuLinear(lib, path), None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"building or loading {SOURCE.name} failed: {exc}"

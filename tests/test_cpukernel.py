@@ -1,0 +1,112 @@
+"""goose's own CPU linear kernel (`goose.cpukernel`): builds here, multiplies right, rows are independent,
+falls back clearly, and `LeanForward` on it matches PyTorch's kernels and the HF model."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from goose import cpukernel
+from goose.errors import GooseError
+from goose.lean import LeanForward
+from test_lean import assert_same, call_script, play, tiny_llama
+
+KERNEL = cpukernel.kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"goose's CPU kernel: {cpukernel.unavailable_reason()}")
+
+
+def test_builds_on_an_avx2_machine_with_a_compiler():
+    """Where it can run (x86-64 Linux, AVX2 + FMA, a C++ compiler, torch on libgomp), it must be available."""
+    can = (platform.system() == "Linux" and platform.machine() == "x86_64"
+           and {"avx2", "fma"} <= cpukernel._cpu_flags() and (shutil.which("c++") or shutil.which("g++"))
+           and cpukernel._gnu_openmp_loaded())
+    if not can:
+        pytest.skip("not an x86-64 Linux machine with AVX2, FMA and a C++ compiler")
+    assert cpukernel.unavailable_reason() is None
+    assert KERNEL is not None and KERNEL.path.is_file()
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 20), k=st.integers(1, 70), n=st.integers(1, 50), bias=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_linear_matches_float64_reference(m, k, n, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    y = KERNEL.linear(x, KERNEL.pack(w), n, KERNEL.pack_bias(b, n))
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert torch.allclose(y.double(), ref, atol=1e-4 * (k ** 0.5), rtol=1e-5)
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(2, 30), k=st.integers(1, 200), n=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_rows_do_not_depend_on_the_batch(m, k, n, seed):
+    """Each row's result is bit-identical whether it is computed alone or with other rows (any tile)."""
+    g = torch.Generator().manual_seed(seed)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed, pb = KERNEL.pack(w), KERNEL.pack_bias(b, n)
+    together = KERNEL.linear(x, packed, n, pb)
+    for i in range(m):
+        assert torch.equal(KERNEL.linear(x[i:i + 1], packed, n, pb)[0], together[i]), i
+    assert torch.equal(KERNEL.linear(x[1:], packed, n, pb), together[1:])
+
+
+@needs_kernel
+def test_non_contiguous_input_and_shape_errors():
+    x, w = torch.randn(16, 8)[::2], torch.randn(24, 8)  # rows with a stride
+    assert not x.is_contiguous()
+    assert torch.allclose(KERNEL.linear(x, KERNEL.pack(w), 24), x @ w.T, atol=1e-5)
+    with pytest.raises(ValueError, match="features"):
+        KERNEL.linear(torch.randn(2, 7), KERNEL.pack(w), 24)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("GOOSE_CPU_KERNEL", "0")
+    kern, reason = cpukernel._load()
+    assert kern is None and "GOOSE_CPU_KERNEL" in reason
+
+
+def test_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
+    if platform.machine() != "x86_64" or not {"avx2", "fma"} <= cpukernel._cpu_flags():
+        pytest.skip("the build is only attempted on AVX2 machines")
+    broken = tmp_path / "cxx"
+    broken.write_text("#!/bin/sh\necho 'no such compiler' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CXX", str(broken))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    kern, reason = cpukernel._load()
+    assert kern is None and "failed" in reason and "no such compiler" in reason
+    assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built is left to be loaded later
+
+
+# ---- LeanForward on the kernel ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama32_biased():
+    return tiny_llama(torch.float32, seed=5, attention_bias=True, mlp_bias=True)
+
+
+@needs_kernel
+def test_lean_forward_on_the_kernel_matches_torch_kernels_and_hf(llama32_biased):
+    from goose.forward import HFForward
+
+    script = call_script(13)
+    ours, torchs = LeanForward(llama32_biased), LeanForward(llama32_biased, kernel=False)
+    assert ours.backend == "goose-avx2" and not ours.prepacked and not torchs.backend.startswith("goose")
+    ref = play(HFForward(llama32_biased), script)
+    assert_same(play(ours, script), ref, atol=2e-4)
+    assert_same(play(torchs, script), ref, atol=2e-4)
+
+
+def test_kernel_refused_where_it_cannot_run():
+    with pytest.raises(GooseError, match="float32"):
+        LeanForward(tiny_llama(torch.float64), kernel=True)
+    with pytest.raises(GooseError, match="prepack"):
+        LeanForward(tiny_llama(torch.float32), kernel=True, prepack=True)
