@@ -110,3 +110,55 @@ def test_kernel_refused_where_it_cannot_run():
         LeanForward(tiny_llama(torch.float64), kernel=True)
     with pytest.raises(GooseError, match="prepack"):
         LeanForward(tiny_llama(torch.float32), kernel=True, prepack=True)
+
+
+# ---- HFForward: the output projection on the kernel -------------------------------------------------------------
+def _fp32(arch: str, **overrides):
+    import copy
+
+    from test_architectures import tiny
+
+    model = copy.deepcopy(tiny(arch)).float()
+    for k, v in overrides.items():
+        setattr(model.config, k, v)
+    return model
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("gemma3", {"final_logit_softcapping": 5.0}),
+                                            ("gpt2", {})])
+def test_hf_forward_head_on_the_kernel(arch, overrides):
+    from conftest import TINY_EOS, TINY_VOCAB, hf_greedy
+    from goose.config import DecodeConfig
+    from goose.decoding import Decoder
+    from goose.forward import HFForward
+
+    model = _fp32(arch, **overrides)
+    ours, plain = HFForward(model), HFForward(model, kernel=False)
+    assert ours.backend == "hf+goose-head" and plain.backend == "hf" and plain.head is None
+    if overrides:
+        assert ours.head.softcap == 5.0
+    script = [(kind, [t % TINY_VOCAB for t in toks], parents, keep)
+              for kind, toks, parents, keep in call_script(17, prompt_len=20)]
+    assert_same(play(ours, script), play(plain, script), atol=1e-4)
+    for prompt in ([5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 11, 4, 9, 3]):
+        ref = hf_greedy(model, prompt, 24, TINY_EOS)
+        for method in ("ar", "goose"):
+            out, _ = Decoder(model, None, method, forward=HFForward(model)).generate_ids(prompt, DecodeConfig(24))
+            assert out == ref, (arch, method)
+
+
+@needs_kernel
+def test_hf_forward_keeps_the_model_head_when_logits_are_scaled():
+    """A model whose logits are not base output x head (Cohere scales them) keeps its own head."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    from goose.forward import HFForward
+
+    torch.manual_seed(0)
+    model = CohereForCausalLM(CohereConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, logit_scale=0.5,
+                                           attn_implementation="sdpa")).eval()
+    assert HFForward(model).head is None
+    with pytest.raises(GooseError, match="output projection"):
+        HFForward(model, kernel=True)

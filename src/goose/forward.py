@@ -90,10 +90,29 @@ def attention_layers(model) -> tuple[tuple[str, ...], int | None]:
     return kinds, window
 
 
+class _Head:
+    """The output projection on goose's CPU kernel: logits = softcap(h W^T + b), W packed once."""
+
+    def __init__(self, kernel, lm_head, softcap: float | None) -> None:
+        self.kernel, self.n = kernel, lm_head.out_features
+        self.packed = kernel.pack(lm_head.weight)
+        self.bias = kernel.pack_bias(lm_head.bias, self.n)
+        self.softcap = softcap
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [n, hid] -> [n, vocab]
+        logits = self.kernel.linear(h, self.packed, self.n, self.bias)
+        if self.softcap:  # as Gemma's heads do
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
 class HFForward:
     """Generic forward over a Hugging Face model and its DynamicCache."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, *, kernel: bool | None = None) -> None:
+        """`kernel`: None = run the output projection on goose's CPU kernel (`cpukernel`) where it is
+        available and reproduces the model's own logits (float32 on CPU, a plain linear head, checked once
+        on a short input); False = the model's own head; True = require the kernel."""
         check_attention(model)
         self.kinds, self.window = attention_layers(model)
         self.model = model
@@ -102,6 +121,35 @@ class HFForward:
         self.dtype = next(model.parameters()).dtype
         self.cache = None
         self._prefix = 0
+        self.head = None if kernel is False else self._kernel_head(required=bool(kernel))
+        self.backend = "hf+goose-head" if self.head is not None else "hf"
+
+    def _kernel_head(self, required: bool) -> _Head | None:
+        """The kernel head when it reproduces the model's logits, else None (or GooseError if required)."""
+        from . import cpukernel
+
+        model, why = self.model, None
+        head, base = model.get_output_embeddings(), getattr(model, "base_model", None)
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            why = "it needs float32 weights on CPU"
+        elif type(head) is not torch.nn.Linear or base is None or base is model:
+            why = "the model has no plain linear output projection over a base model"
+        else:
+            why = cpukernel.unavailable_reason()
+        if why is None:
+            fast = _Head(cpukernel.kernel(), head, getattr(cfg, "final_logit_softcapping", None))
+            ids = torch.tensor([[1, 2, 3]], device=self.device) % head.out_features
+            with torch.inference_mode():
+                ref = model(ids, use_cache=False).logits[0]
+                ours = fast(base(input_ids=ids, use_cache=False).last_hidden_state[0])
+            tol = 1e-4 * max(1.0, ref.abs().max().item())
+            if ours.shape == ref.shape and torch.allclose(ours, ref, rtol=1e-4, atol=tol):
+                return fast
+            why = "the model's logits are not its base model's output times its output projection"
+        if required:
+            raise GooseError(f"goose's CPU kernel cannot run this model's output projection: {why}")
+        return None
 
     def reset(self) -> None:
         self.cache = DynamicCache()  # every layer keeps every entry (see the module docstring)
@@ -132,6 +180,12 @@ class HFForward:
                 depths, allowed = torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril_()
             pos = (depths.to(self.device) + p)[None]  # [1, n]
             mask = self._masks(allowed, depths, p)
+        if self.head is not None:
+            out = self.model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache,
+                                        use_cache=True)
+            self._prefix = p
+            h = out.last_hidden_state[0]  # [n, hid]
+            return self.head(h[-keep_last:] if keep_last else h)  # [n or keep_last, vocab]
         keep = {"logits_to_keep": keep_last} if keep_last and self._keeps_logits else {}
         out = self.model(ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, **keep)
         self._prefix = p
