@@ -162,3 +162,33 @@ def test_hf_forward_keeps_the_model_head_when_logits_are_scaled():
     assert HFForward(model).head is None
     with pytest.raises(GooseError, match="output projection"):
         HFForward(model, kernel=True)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 14), k=st.integers(1, 40), n=st.integers(1, 40), bias=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_fused_norm_gate_and_residual(m, k, n, bias, seed):
+    """in(x) = RMSNorm(x) / silu(gate) * up, and y += (residual), match the unfused PyTorch steps."""
+    g = torch.Generator().manual_seed(seed)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g) if bias else None
+    packed, pb = KERNEL.pack(w), KERNEL.pack_bias(b, n)
+    add = 0 if b is None else b
+
+    x, nw = torch.randn(m, k, generator=g), torch.randn(k, generator=g)
+    ref = torch.nn.functional.rms_norm(x, (k,), nw, 1e-5) @ w.T + add
+    torch.testing.assert_close(KERNEL.linear(x, packed, n, pb, norm=(nw, 1e-5)), ref, rtol=1e-4, atol=1e-4)
+
+    gu = torch.randn(m, 2 * k, generator=g)
+    ref = (torch.nn.functional.silu(gu[:, :k]) * gu[:, k:]) @ w.T + add
+    torch.testing.assert_close(KERNEL.linear(gu, packed, n, pb, gated=True), ref, rtol=1e-4, atol=1e-4)
+
+    resid = torch.randn(m, n, generator=g)
+    expect = resid + (x @ w.T + add)
+    got = KERNEL.linear(x, packed, n, pb, out=resid)
+    assert got is resid
+    torch.testing.assert_close(resid, expect, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="out"):
+        KERNEL.linear(x, packed, n, pb, out=torch.zeros(m + 1, n))
+    with pytest.raises(ValueError, match="gated"):
+        KERNEL.linear(x, packed, n, pb, gated=True)

@@ -1,6 +1,11 @@
 // goose's small-batch float32 linear layer for x86-64 CPUs with AVX2 + FMA (built by cpukernel.py).
 //
-//   y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n])      x [M, K], w [N, K], y [M, N], row-major
+//   y[m, n] = (y[m, n] +) sum_k in(x)[m, k] * w[n, k]  (+ bias[n])      w [N, K], y [M, N], row-major
+//
+// where in(x) is x [M, K] itself, or RMSNorm(x) (float32 Llama-style: x * rsqrt(mean(x^2) + eps) * g), or
+// the gated activation silu(x[:, :K]) * x[:, K:] of x [M, 2K]; and "y +" (accumulate) adds the result to
+// y in place, after the bias, as a residual connection does. These fuse the small element-wise steps
+// around a decoder layer's projections into the call that needs them.
 //
 // Why: a verification forward multiplies every weight matrix by 1 to ~16 rows. At those sizes a forward
 // is bound by reading the weights once; the BLAS/oneDNN kernels available to PyTorch on a small AVX2 CPU
@@ -18,29 +23,34 @@
 // whatever rows it is computed with (float32 rounding differs from BLAS's, as two BLAS builds differ).
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include <vector>
 
 namespace {
 
 constexpr int kPanel = 16;             // output columns per panel (two ymm registers)
 constexpr int kTile = 6;               // rows per register tile
-constexpr int kPrefetchBytes = 1024;   // how far ahead of the current row of the panel to prefetch
+constexpr int kPrefetchBytes = 1024;   // how far ahead of the current row of the panel to prefetch (512..8192
+                                       // measured within noise of each other)
 
-inline void store(float* y, __m256 a0, __m256 a1, int cols, const float* bias) {
+inline void store(float* y, __m256 a0, __m256 a1, int cols, const float* bias, bool accumulate) {
   if (bias) {
     a0 = _mm256_add_ps(a0, _mm256_loadu_ps(bias));
     a1 = _mm256_add_ps(a1, _mm256_loadu_ps(bias + 8));
   }
-  if (cols == kPanel) {
-    _mm256_storeu_ps(y, a0);
-    _mm256_storeu_ps(y + 8, a1);
-    return;
-  }
   float buf[kPanel];
-  _mm256_storeu_ps(buf, a0);
-  _mm256_storeu_ps(buf + 8, a1);
-  memcpy(y, buf, sizeof(float) * cols);
+  float* out = cols == kPanel ? y : buf;
+  if (accumulate) {
+    if (cols != kPanel) memcpy(buf, y, sizeof(float) * cols);
+    a0 = _mm256_add_ps(_mm256_loadu_ps(out), a0);
+    a1 = _mm256_add_ps(_mm256_loadu_ps(out + 8), a1);
+  }
+  _mm256_storeu_ps(out, a0);
+  _mm256_storeu_ps(out + 8, a1);
+  if (cols != kPanel) memcpy(y, buf, sizeof(float) * cols);
 }
 
 #define GOOSE_ZERO(i) __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = _mm256_setzero_ps();
@@ -51,12 +61,12 @@ inline void store(float* y, __m256 a0, __m256 a1, int cols, const float* bias) {
     a##i##1 = _mm256_fmadd_ps(xv, w1, a##i##1);                   \
   }
 #define GOOSE_STORE(i) \
-  if constexpr (R > i) store(y + i * ldy, a##i##0, a##i##1, cols, bias);
+  if constexpr (R > i) store(y + i * ldy, a##i##0, a##i##1, cols, bias, accumulate);
 
 // R rows (x, stride ldx) times one panel w [K][16] -> y (stride ldy), `cols` valid columns.
 template <int R, bool Prefetch>
 inline void tile(const float* x, int64_t ldx, int K, const float* w, float* y, int64_t ldy, int cols,
-                 const float* bias) {
+                 const float* bias, bool accumulate) {
   GOOSE_ZERO(0) GOOSE_ZERO(1) GOOSE_ZERO(2) GOOSE_ZERO(3) GOOSE_ZERO(4) GOOSE_ZERO(5)
   for (int k = 0; k < K; ++k) {
     if constexpr (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * k) + kPrefetchBytes, _MM_HINT_T0);
@@ -68,14 +78,32 @@ inline void tile(const float* x, int64_t ldx, int K, const float* w, float* y, i
 
 template <bool Prefetch>
 inline void rows(int r, const float* x, int64_t ldx, int K, const float* w, float* y, int64_t ldy, int cols,
-                 const float* bias) {
+                 const float* bias, bool accumulate) {
   switch (r) {
-    case 6: tile<6, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
-    case 5: tile<5, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
-    case 4: tile<4, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
-    case 3: tile<3, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
-    case 2: tile<2, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
-    case 1: tile<1, Prefetch>(x, ldx, K, w, y, ldy, cols, bias); break;
+    case 6: tile<6, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 5: tile<5, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 4: tile<4, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 3: tile<3, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 2: tile<2, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 1: tile<1, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+  }
+}
+
+// in(x) for the rows of x, written to buf [M, K] (see the header).
+void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* o = buf + m * K;
+    if (gated) {
+      const float* g = x + m * 2 * K;
+      const float* u = g + K;
+      for (int64_t k = 0; k < K; ++k) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    } else {
+      const float* r = x + m * K;
+      double ss = 0.0;
+      for (int64_t k = 0; k < K; ++k) ss += (double)r[k] * r[k];
+      const float scale = 1.0f / sqrtf((float)(ss / K) + eps);
+      for (int64_t k = 0; k < K; ++k) o[k] = norm[k] * (r[k] * scale);
+    }
   }
 }
 
@@ -83,11 +111,19 @@ inline void rows(int r, const float* x, int64_t ldx, int K, const float* w, floa
 
 extern "C" {
 
-int goose_linear_abi(void) { return 1; }
+int goose_linear_abi(void) { return 2; }
 
-// x [M, K], packed [ceil(N / 16)][K][16], bias [ceil(N / 16) * 16] or null, y [M, N]; all contiguous.
+// x [M, K] ([M, 2K] when gated), packed [ceil(N / 16)][K][16], bias [ceil(N / 16) * 16] or null,
+// norm [K] or null, y [M, N]; all contiguous. accumulate: y += ..., else y = ...
 void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, const float* bias,
-                  float* y) {
+                  float* y, const float* norm, float eps, int gated, int accumulate) {
+  std::vector<float> buf;
+  if (norm || gated) {
+    buf.resize(M * K);
+    prepare(x, M, K, norm, eps, gated, buf.data());
+    x = buf.data();
+  }
+  const bool acc = accumulate != 0;
   const int64_t panels = (N + kPanel - 1) / kPanel;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
@@ -98,9 +134,9 @@ void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int
     for (int64_t m = 0; m < M; m += kTile) {
       const int r = static_cast<int>(M - m < kTile ? M - m : kTile);
       if (m == 0)
-        rows<true>(r, x, K, static_cast<int>(K), w, yp, N, cols, b);
+        rows<true>(r, x, K, static_cast<int>(K), w, yp, N, cols, b, acc);
       else
-        rows<false>(r, x + m * K, K, static_cast<int>(K), w, yp + m * N, N, cols, b);
+        rows<false>(r, x + m * K, K, static_cast<int>(K), w, yp + m * N, N, cols, b, acc);
     }
   }
 }

@@ -76,7 +76,8 @@ class CpuLinear:
         self._fn = lib.goose_linear
         self._fn.restype = None
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                             ctypes.c_void_p, ctypes.c_void_p]
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
+                             ctypes.c_int]
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -95,14 +96,30 @@ class CpuLinear:
         b = bias.detach().float().contiguous()
         return torch.cat([b, b.new_zeros((-n) % PANEL)]) if n % PANEL else b
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [M, K]`` (float32, CPU) times the packed ``[N, K]`` weight, plus bias: ``[M, N]``."""
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None, *,
+               norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``in(x) [M, K]`` times the packed ``[N, K]`` weight, plus bias: ``[M, N]`` (float32, CPU).
+
+        ``in(x)`` is x itself; with ``norm=(weight [K], eps)`` the RMSNorm of x; with ``gated`` the
+        activation ``silu(x[:, :K]) * x[:, K:]`` of x ``[M, 2K]``. With ``out`` (``[M, N]``, contiguous)
+        the result is added to it in place (a residual connection) and ``out`` is returned."""
         x = x.contiguous()
         m, k = x.shape
-        if packed.shape[1] != k:
-            raise ValueError(f"input has {k} features, the weight {packed.shape[1]}")
-        y = torch.empty(m, n, dtype=torch.float32)
-        self._fn(x.data_ptr(), m, k, packed.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr())
+        k_in = packed.shape[1]
+        if k != (2 * k_in if gated else k_in):
+            raise ValueError(f"input has {k} features, the weight {k_in}" + (" (x2 when gated)" if gated else ""))
+        if norm is not None and (gated or norm[0].shape != (k_in,)):
+            raise ValueError("norm needs an ungated input and a [K] weight")
+        if out is None:
+            y = torch.empty(m, n, dtype=torch.float32)
+        elif out.shape != (m, n) or not out.is_contiguous() or out.dtype != torch.float32:
+            raise ValueError(f"out must be a contiguous float32 [{m}, {n}] tensor")
+        else:
+            y = out
+        nw, eps = (None, 0.0) if norm is None else (norm[0].contiguous(), float(norm[1]))
+        self._fn(x.data_ptr(), m, k_in, packed.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(),
+                 None if nw is None else nw.data_ptr(), eps, int(gated), int(out is not None))
         return y
 
 
@@ -146,7 +163,7 @@ def _load() -> tuple[CpuLinear | None, str | None]:
                 return None, f"building {SOURCE.name} failed: {done.stderr.strip()[-500:]}"
             os.replace(tmp, path)
         lib = ctypes.CDLL(str(path))
-        if lib.goose_linear_abi() != 1:
+        if lib.goose_linear_abi() != 2:
             return None, f"{path} is not this version of the kernel"
         return CpuLinear(lib, path), None
     except (OSError, subprocess.SubprocessError) as exc:

@@ -123,6 +123,15 @@ def supports(model) -> bool:
     return unsupported_reason(model) is None
 
 
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm: normalize in float32, cast back, scale by the weight."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 class _Linear:
     """y = x W^T + b with the fastest kernel available for float32 on this CPU:
 
@@ -151,9 +160,21 @@ class _Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
             self.weight = None  # the packed copy replaces it (tied lm_head keeps the embedding alive)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [n, in] contiguous -> [n, out]
-        if self.kernel is not None:
-            return self.kernel.linear(x, self.packed, self.out, self.bias)
+    def __call__(self, x: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """``in(x) W^T + b`` (``[n, out]``), where in(x) is x, its RMSNorm (``norm=(weight, eps)``) or, with
+        `gated`, ``silu(x[:, :I]) * x[:, I:]``; with `out`, the result is added to `out` in place."""
+        if self.kernel is not None:  # all fused into one call
+            return self.kernel.linear(x, self.packed, self.out, self.bias, norm=norm, gated=gated, out=out)
+        if norm is not None:
+            x = _rms(x, *norm)
+        elif gated:
+            half = x.shape[1] // 2
+            x = F.silu(x[:, :half]) * x[:, half:]
+        y = self._mul(x)
+        return y if out is None else out.add_(y)
+
+    def _mul(self, x: torch.Tensor) -> torch.Tensor:  # x [n, in] contiguous -> [n, out]
         if self.wt is not None and x.shape[0] == 1:
             return torch.mm(x, self.wt) if self.bias is None else torch.addmm(self.bias, x, self.wt)
         if self.packed is not None:
@@ -270,14 +291,6 @@ class LeanForward:
         self._len = p + m
 
     # ---- forward -----------------------------------------------------------------------------------
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """HF RMSNorm: normalize in float32, cast back, scale by the weight."""
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, weight.shape, weight, eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * h.to(x.dtype)
-
     @torch.inference_mode()
     def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
                  allowed: torch.Tensor | None = None, keep_last: int | None = None) -> torch.Tensor:
@@ -315,12 +328,11 @@ class LeanForward:
         kv = self.kv
         for li, L in enumerate(self.layers):
             # --- attention ---
-            h = self._rms(x, L.ln1, L.eps1)  # [n, hid]
-            qkv = L.qkv(h)  # [n, (H + 2K) * D]
+            qkv = L.qkv(x, norm=(L.ln1, L.eps1))  # [n, (H + 2K) * D], of RMSNorm(x)
             qk = qkv[:, : (H + K) * D].view(n, H + K, D)  # [n, H + K, D]
             if L.qk_norm is not None:  # per-head q/k RMSNorm, before RoPE
                 qw, qe, kw, ke = L.qk_norm
-                qk = torch.cat([self._rms(qk[:, :H], qw, qe), self._rms(qk[:, H:], kw, ke)], 1)  # [n, H + K, D]
+                qk = torch.cat([_rms(qk[:, :H], qw, qe), _rms(qk[:, H:], kw, ke)], 1)  # [n, H + K, D]
             qk = torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin)  # RoPE on q and k at once
             kv[li, 0, :, p:total] = qk[:, H:].transpose(0, 1)  # [K, n, D]
             kv[li, 1, :, p:total] = qkv[:, (H + K) * D :].view(n, K, D).transpose(0, 1)  # [K, n, D]
@@ -339,13 +351,12 @@ class LeanForward:
                 a = a.view(1, H * D)  # [1, H*D]
             else:
                 a = a.view(K, G, n, D).permute(2, 0, 1, 3).reshape(n, H * D)  # [n, H*D]
-            x = x + L.o(a)  # [n, hid]
+            L.o(a, out=x)  # x += o(a), in place
             # --- MLP ---
-            h = self._rms(x, L.ln2, L.eps2)  # [n, hid]
-            gu = L.gate_up(h)  # [n, 2I]
-            x = x + L.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])  # [n, hid]
+            gu = L.gate_up(x, norm=(L.ln2, L.eps2))  # [n, 2I], of RMSNorm(x)
+            L.down(gu, gated=True, out=x)  # x += down(silu(gate) * up), in place
 
         self._prefix, self._len = p, total
         if keep_last:
             x = x[-keep_last:]  # [keep_last, hid]
-        return self.lm_head(self._rms(x, self.norm, self.norm_eps))  # [n or keep_last, vocab]
+        return self.lm_head(x, norm=(self.norm, self.norm_eps))  # [n or keep_last, vocab]
