@@ -83,7 +83,7 @@ def main() -> None:
     vocab = model.get_output_embeddings().weight.shape[0]
     rng = random.Random(0)
     prompt = [rng.randrange(3, vocab) for _ in range(args.cache_len)]
-    forwards = {"hf": HFForward(model), "lean-torch": LeanForward(model, kernel=False), "lean": LeanForward(model)}
+    forwards = {"hf": HFForward(model, kernel=False), "lean-torch": LeanForward(model, kernel=False), "lean": LeanForward(model)}
     trees = {n: random_tree(rng, n) for n in sizes}
     toks = {n: [rng.randrange(3, vocab) for _ in range(n)] for n in sizes}
     times = {(name, n): [] for name in forwards for n in sizes}

@@ -1,7 +1,8 @@
 """Per-stage time of one decoding step (draft, tensorize, forward, verify, compact, harvest, commit).
 
-Runs each method on a few Spec-Bench questions (chat template) with the generic Hugging Face forward and
-with the lean forward, and prints ms per step by stage and the share of the step spent outside the
+Runs each method on a few Spec-Bench questions (chat template) with the generic Hugging Face forward
+(alone and with goose's output-projection kernel) and with the lean forward (on PyTorch's kernels and on
+goose's CPU kernel), and prints ms per step by stage and the share of the step spent outside the
 forward. A long-prompt run shows that drafting cost does not grow with the context (incremental
 indexes, no rescans).
 
@@ -61,17 +62,18 @@ def main() -> None:
     args = ap.parse_args()
     model, tok = load_model(args.model)
     texts = prompts(args.prompts)
-    backends = {"hf": HFForward}
+    backends = {"hf": lambda m: HFForward(m, kernel=False), "hf+head": HFForward}  # generic; + goose's head
     if lean_supports(model):
-        backends["lean"] = LeanForward
-    print(f"{'method':12} {'forward':8} " + " ".join(f"{s:>9}" for s in STAGES) + f" {'outside%':>9} {'tok/s':>7}")
+        backends["lean-torch"] = lambda m: LeanForward(m, kernel=False)  # PyTorch's kernels
+        backends["lean"] = LeanForward  # goose's CPU kernel where available (the default)
+    print(f"{'method':12} {'forward':10} " + " ".join(f"{s:>9}" for s in STAGES) + f" {'outside%':>9} {'tok/s':>7}")
     for method in args.methods.split(","):
         for name, cls in backends.items():
             per_step, tokens, wall = profile(Decoder(model, tok, method, forward=cls(model)), texts,
                                              args.max_new_tokens)
             total = sum(per_step.values())
             outside = 100.0 * (total - per_step["forward"]) / total if total else 0.0
-            print(f"{method:12} {name:8} " + " ".join(f"{per_step[s]:9.2f}" for s in STAGES)
+            print(f"{method:12} {name:10} " + " ".join(f"{per_step[s]:9.2f}" for s in STAGES)
                   + f" {outside:9.1f} {tokens / wall:7.1f}")
     # drafting cost vs context length: same method, a short and a ~4k-token prompt
     base = "def f(x):\n    return x + 1\n"
