@@ -18,6 +18,7 @@ chunked attention...) and mixed models without that dict form are refused.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import DynamicCache
@@ -90,29 +91,49 @@ def attention_layers(model) -> tuple[tuple[str, ...], int | None]:
     return kinds, window
 
 
-class _Head:
-    """The output projection on goose's CPU kernel: logits = softcap(h W^T + b), W packed once."""
+class _KernelLinears:
+    """Every float32 ``nn.Linear`` of a model on goose's CPU kernel (weights packed once), switched in only
+    for the duration of goose's own forward calls (`active`); the model is untouched otherwise."""
 
-    def __init__(self, kernel, lm_head, softcap: float | None) -> None:
-        self.kernel, self.n = kernel, lm_head.out_features
-        self.packed = kernel.pack(lm_head.weight)
-        self.bias = kernel.pack_bias(lm_head.bias, self.n)
-        self.softcap = softcap
+    def __init__(self, kernel, model) -> None:
+        self.items = []  # (module, forward on the kernel)
+        for m in model.modules():
+            if type(m) is torch.nn.Linear:
+                self.items.append((m, self._forward(kernel, m)))
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [n, hid] -> [n, vocab]
-        logits = self.kernel.linear(h, self.packed, self.n, self.bias)
-        if self.softcap:  # as Gemma's heads do
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+    @staticmethod
+    def _forward(kernel, m):
+        packed, bias = kernel.pack(m.weight), kernel.pack_bias(m.bias, m.out_features)
+        n, k = m.out_features, m.in_features
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return kernel.linear(x.reshape(-1, k), packed, n, bias).view(*x.shape[:-1], n)
+
+        return forward
+
+    @contextmanager
+    def active(self):
+        saved = [m.__dict__.get("forward") for m, _ in self.items]  # a hook's own override, if any
+        for m, fast in self.items:
+            m.forward = fast
+        try:
+            yield
+        finally:
+            for (m, _), old in zip(self.items, saved):
+                if old is None:
+                    del m.forward
+                else:
+                    m.forward = old
 
 
 class HFForward:
     """Generic forward over a Hugging Face model and its DynamicCache."""
 
     def __init__(self, model, *, kernel: bool | None = None) -> None:
-        """`kernel`: None = run the output projection on goose's CPU kernel (`cpukernel`) where it is
-        available and reproduces the model's own logits (float32 on CPU, a plain linear head, checked once
-        on a short input); False = the model's own head; True = require the kernel."""
+        """`kernel`: None = run the model's ``nn.Linear`` layers on goose's CPU kernel (`cpukernel`) during
+        goose's calls, where it is available and reproduces the model's logits (float32 on CPU; checked
+        once on a short input; one packed copy of those weights); False = the model as it is; True =
+        require the kernel."""
         check_attention(model)
         self.kinds, self.window = attention_layers(model)
         self.model = model
@@ -121,34 +142,36 @@ class HFForward:
         self.dtype = next(model.parameters()).dtype
         self.cache = None
         self._prefix = 0
-        self.head = None if kernel is False else self._kernel_head(required=bool(kernel))
-        self.backend = "hf+goose-head" if self.head is not None else "hf"
+        self.linears = None if kernel is False else self._kernel_linears(required=bool(kernel))
+        self.backend = "hf+goose-kernel" if self.linears is not None else "hf"
 
-    def _kernel_head(self, required: bool) -> _Head | None:
-        """The kernel head when it reproduces the model's logits, else None (or GooseError if required)."""
+    def _kernel_linears(self, required: bool) -> _KernelLinears | None:
+        """The model's linear layers on goose's kernel when that reproduces its logits, else None (or
+        GooseError when `required`)."""
         from . import cpukernel
 
         model, why = self.model, None
-        head, base = model.get_output_embeddings(), getattr(model, "base_model", None)
-        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         if self.device.type != "cpu" or self.dtype != torch.float32:
             why = "it needs float32 weights on CPU"
-        elif type(head) is not torch.nn.Linear or base is None or base is model:
-            why = "the model has no plain linear output projection over a base model"
         else:
             why = cpukernel.unavailable_reason()
         if why is None:
-            fast = _Head(cpukernel.kernel(), head, getattr(cfg, "final_logit_softcapping", None))
-            ids = torch.tensor([[1, 2, 3]], device=self.device) % head.out_features
+            linears = _KernelLinears(cpukernel.kernel(), model)
+            vocab = model.get_output_embeddings().weight.shape[0]
+            ids = torch.tensor([[1, 2, 3]], device=self.device) % vocab
             with torch.inference_mode():
                 ref = model(ids, use_cache=False).logits[0]
-                ours = fast(base(input_ids=ids, use_cache=False).last_hidden_state[0])
+                with linears.active():
+                    ours = model(ids, use_cache=False).logits[0]
             tol = 1e-4 * max(1.0, ref.abs().max().item())
-            if ours.shape == ref.shape and torch.allclose(ours, ref, rtol=1e-4, atol=tol):
-                return fast
-            why = "the model's logits are not its base model's output times its output projection"
+            if not linears.items:
+                why = "the model has no nn.Linear layers"
+            elif torch.allclose(ours, ref, rtol=1e-4, atol=tol):
+                return linears
+            else:
+                why = "the model's logits changed with its linear layers on the kernel"
         if required:
-            raise GooseError(f"goose's CPU kernel cannot run this model's output projection: {why}")
+            raise GooseError(f"goose's CPU kernel cannot run this model: {why}")
         return None
 
     def reset(self) -> None:
@@ -180,14 +203,9 @@ class HFForward:
                 depths, allowed = torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril_()
             pos = (depths.to(self.device) + p)[None]  # [1, n]
             mask = self._masks(allowed, depths, p)
-        if self.head is not None:
-            out = self.model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=self.cache,
-                                        use_cache=True)
-            self._prefix = p
-            h = out.last_hidden_state[0]  # [n, hid]
-            return self.head(h[-keep_last:] if keep_last else h)  # [n or keep_last, vocab]
         keep = {"logits_to_keep": keep_last} if keep_last and self._keeps_logits else {}
-        out = self.model(ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, **keep)
+        with self.linears.active() if self.linears is not None else nullcontext():
+            out = self.model(ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, **keep)
         self._prefix = p
         return out.logits[0, -keep_last:] if keep_last else out.logits[0]  # [n or keep_last, vocab]
 
