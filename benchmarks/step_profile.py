@@ -62,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     model, tok = load_model(args.model)
     texts = prompts(args.prompts)
-    backends = {"hf": lambda m: HFForward(m, kernel=False), "hf+head": HFForward}  # generic; + goose's head
+    backends = {"hf": lambda m: HFForward(m, kernel=False), "hf+kernel": HFForward}  # generic; linears on goose's kernel
     if lean_supports(model):
         backends["lean-torch"] = lambda m: LeanForward(m, kernel=False)  # PyTorch's kernels
         backends["lean"] = LeanForward  # goose's CPU kernel where available (the default)
