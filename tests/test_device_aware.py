@@ -13,7 +13,7 @@ from conftest import hf_greedy, make_tiny_llama
 from goose import costmodel
 from goose.acceptance import CONSENSUS, SHORT, AcceptanceModel
 from goose.config import AcceptanceConfig
-from goose.costmodel import CostCurve, load_or_measure, measure
+from goose.costmodel import CostCurve, load_or_measure, measure, monotone
 from goose.forward import HFForward
 from goose.selector import path_probs, select
 from goose.tree import BRANCH, SPINE, DraftTree
@@ -32,11 +32,32 @@ def test_cost_curve_interpolates_and_extrapolates():
         CostCurve((2, 1), (1.0, 2.0))
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.1, 1000.0), min_size=1, max_size=20))
+def test_monotone_is_the_least_squares_non_decreasing_fit(ms):
+    fit = monotone(ms)
+    assert len(fit) == len(ms)
+    assert all(a <= b + 1e-9 for a, b in zip(fit, fit[1:]))
+    assert sum(fit) == pytest.approx(sum(ms))  # pooling keeps each block's mean
+    if ms == sorted(ms):
+        assert fit == pytest.approx(ms)
+    # no other non-decreasing sequence is closer: compare with a few simple ones
+    err = sum((a - b) ** 2 for a, b in zip(fit, ms))
+    for other in (sorted(ms), [sum(ms) / len(ms)] * len(ms), [max(ms[: i + 1]) for i in range(len(ms))]):
+        assert err <= sum((a - b) ** 2 for a, b in zip(other, ms)) + 1e-6
+
+
+def test_monotone_pools_a_noisy_flat_start():
+    assert monotone([49.0, 49.5, 47.0, 47.2, 53.0]) == pytest.approx([48.175] * 4 + [53.0])
+    assert monotone([3.0, 1.0]) == [2.0, 2.0]
+
+
 def test_measure_and_cache(tmp_path, monkeypatch):
     model = make_tiny_llama()
     fwd = HFForward(model)
     curve = measure(fwd, 96, sizes=(1, 2, 4), cache_len=16, repeats=1)
     assert curve.sizes == (1, 2, 4) and all(ms > 0 for ms in curve.ms)
+    assert list(curve.ms) == sorted(curve.ms)  # made non-decreasing
     assert fwd.length == 0  # measuring leaves no state behind
     path = tmp_path / "curve.json"
     monkeypatch.setattr(costmodel, "measure", lambda *a, **k: curve)
