@@ -16,7 +16,9 @@
 // are zero), so one panel is a single contiguous stream. Each OpenMP thread takes a contiguous range of
 // panels (the caller's torch thread count; torch's own libgomp runs the threads). Per panel, rows go in
 // tiles of up to 6: 6 rows x 16 columns = 12 ymm accumulators, 2 weight registers, 1 broadcast register.
-// The first tile of a panel prefetches the panel ahead; later tiles find it in L1/L2.
+// The first tile of a panel prefetches the panel ahead; later tiles find it in L1/L2. Threads take pairs
+// of adjacent panels, so the 1-2 rows left over (all rows of a 1- or 2-token step) run over both panels
+// at once: four accumulators per row instead of two, twice the independent FMA chains.
 //
 // Numerics: every output is one fused-multiply-add chain over k = 0..K-1 in order, per column, followed
 // by the bias add. The chain does not depend on M or on the row's tile, so a row's result is the same
@@ -89,6 +91,42 @@ inline void rows(int r, const float* x, int64_t ldx, int K, const float* w, floa
   }
 }
 
+#define GOOSE_ZERO2(i) GOOSE_ZERO(i) __m256 b##i##0 = _mm256_setzero_ps(), b##i##1 = _mm256_setzero_ps();
+#define GOOSE_FMA2(i)                                             \
+  if constexpr (R > i) {                                          \
+    const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);      \
+    a##i##0 = _mm256_fmadd_ps(xv, w0, a##i##0);                   \
+    a##i##1 = _mm256_fmadd_ps(xv, w1, a##i##1);                   \
+    b##i##0 = _mm256_fmadd_ps(xv, v0, b##i##0);                   \
+    b##i##1 = _mm256_fmadd_ps(xv, v1, b##i##1);                   \
+  }
+#define GOOSE_STORE2(i)                                                          \
+  if constexpr (R > i) {                                                         \
+    store(y + i * ldy, a##i##0, a##i##1, kPanel, bias, accumulate);              \
+    store(y + i * ldy + kPanel, b##i##0, b##i##1, cols, bias ? bias + kPanel : nullptr, accumulate); \
+  }
+
+// R (1 or 2) rows times two adjacent panels at once (w, then w + K * 16, the second with `cols` valid
+// columns) -> y: twice the independent FMA chains of `tile` for the few rows left after full tiles, with
+// the same k-order chain per output.
+template <int R, bool Prefetch>
+inline void tile2(const float* x, int64_t ldx, int K, const float* w, float* y, int64_t ldy, int cols,
+                  const float* bias, bool accumulate) {
+  static_assert(R <= 2, "four accumulators per row: at most 2 rows fit the 16 registers");
+  const float* v = w + static_cast<int64_t>(K) * kPanel;
+  GOOSE_ZERO2(0) GOOSE_ZERO2(1)
+  for (int k = 0; k < K; ++k) {
+    if constexpr (Prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + kPanel * k) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v + kPanel * k) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    const __m256 w0 = _mm256_loadu_ps(w + kPanel * k), w1 = _mm256_loadu_ps(w + kPanel * k + 8);
+    const __m256 v0 = _mm256_loadu_ps(v + kPanel * k), v1 = _mm256_loadu_ps(v + kPanel * k + 8);
+    GOOSE_FMA2(0) GOOSE_FMA2(1)
+  }
+  GOOSE_STORE2(0) GOOSE_STORE2(1)
+}
+
 // in(x) for the rows of x, written to buf [M, K] (see the header).
 void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
   for (int64_t m = 0; m < M; ++m) {
@@ -125,18 +163,36 @@ void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int
   }
   const bool acc = accumulate != 0;
   const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int k = static_cast<int>(K);
+  // Work items are pairs of adjacent panels, so the 1-2 rows left after the full 6-row tiles can run
+  // over both panels at once (tile2).
 #pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    const float* w = packed + p * K * kPanel;
-    const int cols = static_cast<int>(N - p * kPanel < kPanel ? N - p * kPanel : kPanel);
-    const float* b = bias ? bias + p * kPanel : nullptr;
-    float* yp = y + p * kPanel;
+  for (int64_t q = 0; q < (panels + 1) / 2; ++q) {
+    const int64_t p0 = 2 * q, last = p0 + 1 < panels ? p0 + 1 : p0;
     for (int64_t m = 0; m < M; m += kTile) {
       const int r = static_cast<int>(M - m < kTile ? M - m : kTile);
-      if (m == 0)
-        rows<true>(r, x, K, static_cast<int>(K), w, yp, N, cols, b, acc);
-      else
-        rows<false>(r, x + m * K, K, static_cast<int>(K), w, yp + m * N, N, cols, b, acc);
+      const float* xm = x + m * K;
+      float* ym = y + m * N + p0 * kPanel;
+      const float* b = bias ? bias + p0 * kPanel : nullptr;
+      if (r <= 2 && last > p0) {
+        const int cols = static_cast<int>(N - last * kPanel < kPanel ? N - last * kPanel : kPanel);
+        const float* w = packed + p0 * K * kPanel;
+        if (r == 2)
+          m == 0 ? tile2<2, true>(xm, K, k, w, ym, N, cols, b, acc) : tile2<2, false>(xm, K, k, w, ym, N, cols, b, acc);
+        else
+          m == 0 ? tile2<1, true>(xm, K, k, w, ym, N, cols, b, acc) : tile2<1, false>(xm, K, k, w, ym, N, cols, b, acc);
+        continue;
+      }
+      for (int64_t p = p0; p <= last; ++p) {
+        const int cols = static_cast<int>(N - p * kPanel < kPanel ? N - p * kPanel : kPanel);
+        const float* w = packed + p * K * kPanel;
+        float* yp = y + m * N + p * kPanel;
+        const float* bp = bias ? bias + p * kPanel : nullptr;
+        if (m == 0)
+          rows<true>(r, xm, K, k, w, yp, N, cols, bp, acc);
+        else
+          rows<false>(r, xm, K, k, w, yp, N, cols, bp, acc);
+      }
     }
   }
 }
