@@ -93,7 +93,9 @@ def attention_layers(model) -> tuple[tuple[str, ...], int | None]:
 
 class _KernelLinears:
     """Every float32 ``nn.Linear`` of a model on goose's CPU kernel (weights packed once), switched in only
-    for the duration of goose's own forward calls (`active`); the model is untouched otherwise."""
+    for the duration of goose's own forward calls (`active`); the model is untouched otherwise. (So
+    another thread running the same model during one of goose's calls would run on the kernel too:
+    same results up to float32 rounding.)"""
 
     def __init__(self, kernel, model) -> None:
         self.items = []  # (module, forward on the kernel)

@@ -7,13 +7,16 @@ overhead and MKL's slow small-M `F.linear` (ENGINEERING.md, "How close a forward
 * fused weights: one QKV projection ``[(H + 2K) * D, hidden]`` and one gate/up projection ``[2I, hidden]``
   per layer (biases, when present, are fused alongside: qwen2's q/k/v bias, llama's attention/mlp bias);
   qwen3's per-head q/k RMSNorms run on the fused output, before RoPE, as in HF;
-* oneDNN-prepacked float32 weights (``torch.ops.mkldnn._reorder_linear_weight`` once, then
-  ``_linear_pointwise``) for calls of several tokens; a private API, so anything else (other dtypes,
-  other devices, the op missing) falls back to `F.linear` with the plain weights;
-* for single-token calls (the AR step, the commonest call) a second copy of each weight stored
-  transposed, ``[in, out]``: MKL's ``x @ W^T`` over that layout streams the weights ~1.5-2x faster than
-  oneDNN does at one row (measured; oneDNN wins from 2-3 rows up). It doubles the weight memory: pass
-  ``gemv=False`` for large models;
+* float32 on an x86-64 CPU with AVX2: every projection on goose's own kernel (`cpukernel`,
+  ``cpu_linear.cpp``), which reads each weight once per call whatever the number of tokens and fuses the
+  RMSNorm before QKV / gate-up / the output projection, silu(gate) * up before the down projection, and
+  the residual adds after the o / down projections (one packed copy of the weights);
+* otherwise (``kernel=False``, or the kernel unavailable) PyTorch's kernels: oneDNN-prepacked float32
+  weights (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``) for calls of
+  several tokens, a private API, so anything else (other dtypes, other devices, the op missing) falls back
+  to `F.linear` with the plain weights; and for single-token calls a second copy of each weight stored
+  transposed, ``[in, out]`` (MKL's ``x @ W^T`` over that layout streams ~1.5-2x faster than oneDNN at one
+  row; it doubles the weight memory: pass ``gemv=False`` for large models);
 * one preallocated KV tensor for all layers, ``[layers, 2, K, capacity, D]``, grown by doubling: a call
   writes its keys/values in place, and `keep` moves only the accepted entries with one `index_select`
   over all layers (nothing moves when the accepted path is already in place);
