@@ -155,3 +155,22 @@ def test_packaged_gguf_that_fails_to_assemble(monkeypatch, tmp_path, capsys):
     code, _, err = run(["generate", "--model", "fake-1m", "hi"], capsys)
     assert code == 2 and "cannot assemble the GGUF" in err and "sha256" in err
     assert not any((tmp_path / "goose" / "models").iterdir())  # the scratch directory is gone
+
+
+def test_profile_prints_the_curve_and_the_weight_kernel(tiny_dir, capsys, tmp_path, monkeypatch):
+    from goose import cpukernel
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # measured here, not read from a cache
+    plot = tmp_path / "curve.png"
+    code, out, err = run(["profile", "--model", str(tiny_dir), "--plot", str(plot)], capsys)
+    assert code == 0, err
+    header, _, *rows = out.splitlines()[:-1]
+    assert "LeanForward" in header and "weights: " in header
+    if cpukernel.kernel() is not None:
+        assert "weights: goose-avx2)" in header
+    else:
+        assert "goose's CPU kernel unavailable: " + cpukernel.unavailable_reason() in header
+    sizes = [int(r.split()[0]) for r in rows]
+    ms = [float(r.split()[1]) for r in rows]
+    assert sizes[0] == 1 and sizes == sorted(sizes) and ms == sorted(ms)  # a non-decreasing curve
+    assert plot.is_file() and list((tmp_path / "cache" / "goose" / "cost").glob("*.json"))

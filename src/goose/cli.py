@@ -146,7 +146,11 @@ def cmd_profile(args) -> int:
     model, _ = load_model(args.model, args.dtype, args.device)
     fwd = default_forward(model)
     curve = load_or_measure(model, fwd, remeasure=args.remeasure)
-    print(f"forward cost of {args.model} ({args.dtype}, {args.device}, {type(fwd).__name__})")
+    from . import cpukernel
+
+    why = cpukernel.unavailable_reason()
+    weights = getattr(fwd, "backend", "?") + ("" if why is None else f"; goose's CPU kernel unavailable: {why}")
+    print(f"forward cost of {args.model} ({args.dtype}, {args.device}, {type(fwd).__name__}, weights: {weights})")
     print(f"{'tokens':>6} {'ms':>9} {'x cost(1)':>10} {'break-even accepted':>20}")
     for n, ms in zip(curve.sizes, curve.ms):
         print(f"{n:>6} {ms:>9.1f} {ms / curve.ms[0]:>10.2f} {curve.break_even(n):>20.2f}")
