@@ -139,6 +139,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def cmd_profile(args) -> int:
+    from . import cpukernel
     from .costmodel import load_or_measure
     from .decoding import default_forward
     from .model import load_model
@@ -146,8 +147,6 @@ def cmd_profile(args) -> int:
     model, _ = load_model(args.model, args.dtype, args.device)
     fwd = default_forward(model)
     curve = load_or_measure(model, fwd, remeasure=args.remeasure)
-    from . import cpukernel
-
     why = cpukernel.unavailable_reason()
     weights = getattr(fwd, "backend", "?") + ("" if why is None else f"; goose's CPU kernel unavailable: {why}")
     print(f"forward cost of {args.model} ({args.dtype}, {args.device}, {type(fwd).__name__}, weights: {weights})")

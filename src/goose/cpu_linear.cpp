@@ -38,6 +38,11 @@ constexpr int kTile = 6;               // rows per register tile
 constexpr int kPrefetchBytes = 1024;   // how far ahead of the current row of the panel to prefetch (512..8192
                                        // measured within noise of each other)
 
+// Valid columns of panel p (the last panel of N may be partial).
+inline int panel_cols(int64_t N, int64_t p) {
+  return static_cast<int>(N - p * kPanel < kPanel ? N - p * kPanel : kPanel);
+}
+
 inline void store(float* y, __m256 a0, __m256 a1, int cols, const float* bias, bool accumulate) {
   if (bias) {
     a0 = _mm256_add_ps(a0, _mm256_loadu_ps(bias));
@@ -175,7 +180,7 @@ void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int
       float* ym = y + m * N + p0 * kPanel;
       const float* b = bias ? bias + p0 * kPanel : nullptr;
       if (r <= 2 && last > p0) {
-        const int cols = static_cast<int>(N - last * kPanel < kPanel ? N - last * kPanel : kPanel);
+        const int cols = panel_cols(N, last);
         const float* w = packed + p0 * K * kPanel;
         if (r == 2)
           m == 0 ? tile2<2, true>(xm, K, k, w, ym, N, cols, b, acc) : tile2<2, false>(xm, K, k, w, ym, N, cols, b, acc);
@@ -184,7 +189,7 @@ void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int
         continue;
       }
       for (int64_t p = p0; p <= last; ++p) {
-        const int cols = static_cast<int>(N - p * kPanel < kPanel ? N - p * kPanel : kPanel);
+        const int cols = panel_cols(N, p);
         const float* w = packed + p * K * kPanel;
         float* yp = y + m * N + p * kPanel;
         const float* bp = bias ? bias + p * kPanel : nullptr;

@@ -52,8 +52,9 @@ def _cpu_flags() -> set[str]:
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CXX"), "c++", "g++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     return None
 
 

@@ -150,31 +150,32 @@ class HFForward:
     def _kernel_linears(self, required: bool) -> _KernelLinears | None:
         """The model's linear layers on goose's kernel when that reproduces its logits, else None (or
         GooseError when `required`)."""
+        linears, why = self._try_kernel()
+        if linears is None and required:
+            raise GooseError(f"goose's CPU kernel cannot run this model: {why}")
+        return linears
+
+    def _try_kernel(self) -> tuple[_KernelLinears | None, str | None]:
         from . import cpukernel
 
-        model, why = self.model, None
         if self.device.type != "cpu" or self.dtype != torch.float32:
-            why = "it needs float32 weights on CPU"
-        else:
-            why = cpukernel.unavailable_reason()
-        if why is None:
-            linears = _KernelLinears(cpukernel.kernel(), model)
-            vocab = model.get_output_embeddings().weight.shape[0]
-            ids = torch.tensor([[1, 2, 3]], device=self.device) % vocab
-            with torch.inference_mode():
-                ref = model(ids, use_cache=False).logits[0]
-                with linears.active():
-                    ours = model(ids, use_cache=False).logits[0]
-            tol = 1e-4 * max(1.0, ref.abs().max().item())
-            if not linears.items:
-                why = "the model has no nn.Linear layers"
-            elif torch.allclose(ours, ref, rtol=1e-4, atol=tol):
-                return linears
-            else:
-                why = "the model's logits changed with its linear layers on the kernel"
-        if required:
-            raise GooseError(f"goose's CPU kernel cannot run this model: {why}")
-        return None
+            return None, "it needs float32 weights on CPU"
+        why = cpukernel.unavailable_reason()
+        if why is not None:
+            return None, why
+        model = self.model
+        linears = _KernelLinears(cpukernel.kernel(), model)
+        if not linears.items:
+            return None, "the model has no nn.Linear layers"
+        ids = torch.tensor([[1, 2, 3]], device=self.device) % model.get_output_embeddings().weight.shape[0]
+        with torch.inference_mode():
+            ref = model(ids, use_cache=False).logits[0]
+            with linears.active():
+                ours = model(ids, use_cache=False).logits[0]
+        tol = 1e-4 * max(1.0, ref.abs().max().item())
+        if torch.allclose(ours, ref, rtol=1e-4, atol=tol):
+            return linears, None
+        return None, "the model's logits changed with its linear layers on the kernel"
 
     def reset(self) -> None:
         self.cache = DynamicCache()  # every layer keeps every entry (see the module docstring)

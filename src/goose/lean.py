@@ -251,7 +251,6 @@ class LeanForward:
         self.head_dim = attn.head_dim  # D
         self.group = self.n_heads // self.n_kv  # G
         self.scale = attn.scaling
-        self.intermediate = base.layers[0].mlp.gate_proj.out_features  # I
         self.rotary = base.rotary_emb
         self.embed = w.detach()  # [vocab, hid]
         self.layers = [_Layer(layer, self.prepacked, self.gemv, kern) for layer in base.layers]
