@@ -1,5 +1,6 @@
-"""goose's own CPU linear kernel (`goose.cpukernel`): builds here, multiplies right, rows are independent,
-falls back clearly, and `LeanForward` on it matches PyTorch's kernels and the HF model."""
+"""goose's own CPU kernels (`goose.cpukernel`): build here; the linear kernel multiplies right with rows
+independent of each other; the attention kernel matches a float64 reference (rotary, cache write, tree
+masks, GQA); they fall back clearly, and `LeanForward` on them matches PyTorch's kernels and the HF model."""
 
 from __future__ import annotations
 
@@ -57,6 +58,94 @@ def test_rows_do_not_depend_on_the_batch(m, k, n, seed):
     for i in range(m):
         assert torch.equal(KERNEL.linear(x[i:i + 1], packed, n, pb)[0], together[i]), i
     assert torch.equal(KERNEL.linear(x[1:], packed, n, pb), together[1:])
+
+
+def reference_attention(qkv, n_heads, cos, sin, cache, layer, prefix, allowed, scale):
+    """float64 attention of the new tokens (rotary, then softmax over the prefix and the allowed new tokens)
+    and the cache the kernel should leave."""
+    n, d = cos.shape
+    kh = cache.shape[2]
+    q, k, v = qkv.double().view(n, n_heads + 2 * kh, d).split([n_heads, kh, kh], 1)  # [n, heads, D]
+    c, s_ = cos.double()[:, None], sin.double()[:, None]
+
+    def rope(x):
+        return x * c + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * s_
+
+    q, k = rope(q), rope(k)
+    keys = torch.cat([cache[layer, 0, :, :prefix].double(), k.transpose(0, 1)], 1)  # [Kh, P + n, D]
+    vals = torch.cat([cache[layer, 1, :, :prefix].double(), v.transpose(0, 1)], 1)
+    seen = torch.ones(n, prefix + n, dtype=torch.bool)
+    seen[:, prefix:] = allowed if allowed is not None else torch.ones(n, n, dtype=torch.bool).tril()
+    group = n_heads // kh
+    out = torch.empty(n, n_heads, d, dtype=torch.float64)
+    for h in range(n_heads):
+        sc = (q[:, h] @ keys[h // group].T) * scale  # [n, P + n]
+        out[:, h] = torch.softmax(sc.masked_fill(~seen, float("-inf")), -1) @ vals[h // group]
+    return out.reshape(n, n_heads * d), keys, vals
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 12), kh=st.integers(1, 3), group=st.integers(1, 7), d=st.sampled_from([8, 16, 24, 64, 72, 128]),
+       prefix=st.integers(0, 40), tree=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_attention_matches_float64_reference(n, kh, group, d, prefix, tree, seed):
+    """Rotary embedding, cache write, scores, softmax and weighted sum of every layer against float64, for
+    causal runs and random trees, 1..7 query heads per kv head; the cache outside the new slots is untouched."""
+    g = torch.Generator().manual_seed(seed)
+    heads, layers, cap = kh * group, 2, prefix + n + 3
+    qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
+    ang = torch.rand(n, d // 2, generator=g) * 6.3
+    cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
+    cache = torch.randn(layers, 2, kh, cap, d, generator=g)
+    allowed = None
+    if tree and n > 1:
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        allowed = torch.eye(n, dtype=torch.bool)
+        for i in range(1, n):
+            allowed[i] |= allowed[parents[i]]
+    before = cache.clone()
+    step = KERNEL.attention_step(heads, cos, sin, cache, prefix, allowed, d ** -0.5)
+    for layer in range(layers):
+        out = step(layer, qkv)
+        ref, keys, vals = reference_attention(qkv, heads, cos, sin, before, layer, prefix, allowed, d ** -0.5)
+        assert out.shape == (n, heads * d)
+        assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-4), (out.double() - ref).abs().max()
+        assert torch.allclose(cache[layer, 0, :, : prefix + n].double(), keys, atol=1e-6)
+        assert torch.equal(cache[layer, 1, :, : prefix + n].double(), vals)
+    assert torch.equal(cache[:, :, :, prefix + n:], before[:, :, :, prefix + n:])
+
+
+@needs_kernel
+def test_attention_rows_do_not_depend_on_the_other_rows():
+    """A token's output is bit-identical whether it is computed alone or with the tokens after it."""
+    g = torch.Generator().manual_seed(0)
+    heads, kh, d, prefix, n = 9, 3, 64, 37, 6
+    qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
+    ang = torch.rand(n, d // 2, generator=g)
+    cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
+    cache = torch.randn(1, 2, kh, prefix + n, d, generator=g)
+    together = KERNEL.attention_step(heads, cos, sin, cache, prefix, None, 0.125)(0, qkv)
+    for m in range(1, n):  # the first m tokens of the same causal run
+        alone = KERNEL.attention_step(heads, cos[:m], sin[:m], cache, prefix, None, 0.125)(0, qkv[:m].contiguous())
+        assert torch.equal(alone, together[:m]), m
+
+
+@needs_kernel
+def test_attention_refuses_bad_input():
+    cos = sin = torch.ones(2, 8)
+    cache = torch.zeros(1, 2, 1, 4, 8)
+    with pytest.raises(ValueError, match="shapes"):
+        KERNEL.attention_step(2, cos, sin, cache, 3, None, 1.0)  # 3 + 2 tokens past a capacity of 4
+    with pytest.raises(ValueError, match="float32"):
+        KERNEL.attention_step(2, cos, sin, cache.double(), 0, None, 1.0)
+    step = KERNEL.attention_step(2, cos, sin, cache, 0, None, 1.0)
+    with pytest.raises(ValueError, match="qkv"):
+        step(0, torch.zeros(2, 31))
+    with pytest.raises(IndexError):
+        step(1, torch.zeros(2, 32))
+    assert cpukernel.attention_reason(12, torch.float32) is not None
+    assert cpukernel.attention_reason(64, torch.float64) is not None
+    assert cpukernel.attention_reason(64, torch.float32) is None
 
 
 @needs_kernel

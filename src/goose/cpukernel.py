@@ -1,9 +1,12 @@
-"""goose's own float32 linear kernel for small batches on x86-64 CPUs (AVX2 + FMA), built on first use.
+"""goose's own float32 CPU kernels for x86-64 (AVX2 + FMA), built on first use: a small-batch linear layer
+and a decoder layer's attention on a static KV cache.
 
 `LeanForward` multiplies every weight matrix by the 1..~16 rows of a decoding step or a draft tree. On a
 small AVX2 CPU, PyTorch's kernels for those shapes (MKL, oneDNN) stream the weights at about half the
-memory bandwidth and get slower with every added row; ``cpu_linear.cpp`` reads each weight once per call
-whatever the row count (see that file for the layout and the numerics).
+memory bandwidth and get slower with every added row; ``cpu_kernels.cpp`` reads each weight once per call
+whatever the row count (see that file for the layout and the numerics). Its attention does a layer's
+rotary embedding, cache write, scores, softmax and weighted sum in one call, where PyTorch needs ~15
+small operations of ~10-100 us each.
 
 The source is compiled once per machine with the system C++ compiler into
 ``$XDG_CACHE_HOME/goose/kernels/`` (~2 s; the file name carries a hash of the source, the flags and the
@@ -31,9 +34,10 @@ import torch
 
 from .model import cache_root
 
-SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 PANEL = 16  # output columns per packed panel (must match kPanel in the source)
+ABI = 3  # goose_kernels_abi() of this version of the source
 ENV_SWITCH = "GOOSE_CPU_KERNEL"
 
 _state: dict[str, object] = {}
@@ -69,8 +73,9 @@ def _gnu_openmp_loaded() -> bool:
         return False
 
 
-class CpuLinear:
-    """The loaded kernel: ``pack`` a weight once, then ``linear`` any number of rows against it."""
+class CpuKernels:
+    """The loaded kernels: ``pack`` a weight once, then ``linear`` any number of rows against it;
+    ``attention`` for one decoder layer."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
@@ -79,6 +84,11 @@ class CpuLinear:
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
                              ctypes.c_int]
+        self._attn = lib.goose_attention
+        self._attn.restype = None
+        self._attn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -123,6 +133,51 @@ class CpuLinear:
                  None if nw is None else nw.data_ptr(), eps, int(gated), int(out is not None))
         return y
 
+    def attention_step(self, n_heads: int, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, prefix: int,
+                       allowed: torch.Tensor | None, scale: float) -> AttentionStep:
+        """Attention for the ``n`` new tokens of one forward, on every layer of a static KV cache
+        ``cache [layers, 2 (keys, values), Kh, capacity, D]`` holding ``prefix`` tokens: rotary embedding
+        (``cos, sin [n, D]``, Hugging Face's rotate_half convention), cache write at ``prefix..prefix+n-1``,
+        scores, softmax, weighted sum. ``allowed [n, n]`` (bool): which new tokens each one sees (None:
+        causal). Everything is checked here once; the returned step is then called per layer."""
+        return AttentionStep(self._attn, n_heads, cos, sin, cache, prefix, allowed, scale)
+
+
+class AttentionStep:
+    """``step(layer, qkv)``: that layer's attention output ``[n, H D]`` (heads in order, query head h reading
+    kv head ``h // (H / Kh)``) for ``qkv [n, (H + 2 Kh) D]``, the new tokens' q, k and v projections."""
+
+    def __init__(self, fn, n_heads: int, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, prefix: int,
+                 allowed: torch.Tensor | None, scale: float) -> None:
+        n, d = cos.shape
+        layers, two, kh, cap, d_cache = cache.shape
+        if (two != 2 or d_cache != d or n_heads % kh or sin.shape != cos.shape or prefix < 0 or prefix + n > cap
+                or (allowed is not None and allowed.shape != (n, n))):
+            raise ValueError("attention: inconsistent shapes")
+        self._keep = [t.contiguous() for t in (cos, sin)]  # alive as long as the step
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*self._keep, cache)) or not cache.is_contiguous():
+            raise ValueError("attention needs float32 CPU tensors and a contiguous cache")
+        mask = None if allowed is None or n == 1 else allowed.to(torch.uint8).contiguous()
+        if mask is not None:
+            self._keep.append(mask)
+        self._fn, self._cache, self.layers = fn, cache, layers
+        self._args = (n, n_heads, kh, d, self._keep[0].data_ptr(), self._keep[1].data_ptr())
+        self._tail = (cap, prefix, None if mask is None else mask.data_ptr(), float(scale))
+        self._layer_bytes = 2 * kh * cap * d * 4
+        self._half = kh * cap * d * 4
+        self._shape = (n, (n_heads + 2 * kh) * d)
+        self._out = (n, n_heads * d)
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        if not 0 <= layer < self.layers:
+            raise IndexError(f"layer {layer} of {self.layers}")
+        if qkv.shape != self._shape or not qkv.is_contiguous() or qkv.dtype != torch.float32:
+            raise ValueError(f"qkv must be a contiguous float32 {list(self._shape)} tensor")
+        out = torch.empty(self._out, dtype=torch.float32)
+        keys = self._cache.data_ptr() + layer * self._layer_bytes
+        self._fn(qkv.data_ptr(), *self._args, keys, keys + self._half, *self._tail, out.data_ptr())
+        return out
+
 
 def unavailable_reason() -> str | None:
     """Why the kernel cannot be used here (None when it can); builds and loads it on first call."""
@@ -131,13 +186,13 @@ def unavailable_reason() -> str | None:
     return _state["reason"]  # type: ignore[return-value]
 
 
-def kernel() -> CpuLinear | None:
+def kernel() -> CpuKernels | None:
     """The loaded kernel, or None (see `unavailable_reason`)."""
     unavailable_reason()
     return _state["kernel"]  # type: ignore[return-value]
 
 
-def _load() -> tuple[CpuLinear | None, str | None]:
+def _load() -> tuple[CpuKernels | None, str | None]:
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return None, f"switched off by {ENV_SWITCH}"
     if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
@@ -153,7 +208,7 @@ def _load() -> tuple[CpuLinear | None, str | None]:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
         digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(FLAGS), cxx, version]).encode()).hexdigest()[:16]
-        path = cache_root() / "kernels" / f"cpu_linear-{digest}.so"
+        path = cache_root() / "kernels" / f"cpu_kernels-{digest}.so"
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.so")
@@ -164,8 +219,17 @@ def _load() -> tuple[CpuLinear | None, str | None]:
                 return None, f"building {SOURCE.name} failed: {done.stderr.strip()[-500:]}"
             os.replace(tmp, path)
         lib = ctypes.CDLL(str(path))
-        if lib.goose_linear_abi() != 2:
+        if lib.goose_kernels_abi() != ABI:
             return None, f"{path} is not this version of the kernel"
-        return CpuLinear(lib, path), None
+        return CpuKernels(lib, path), None
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"building or loading {SOURCE.name} failed: {exc}"
+
+
+def attention_reason(head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why `CpuKernels.attention_step` cannot run heads of this size and dtype (None when it can)."""
+    if dtype != torch.float32:
+        return f"it needs float32, not {dtype}"
+    if head_dim % 8 or head_dim < 8:
+        return f"head dim {head_dim} is not a multiple of 8"
+    return None

@@ -8,9 +8,11 @@ overhead and MKL's slow small-M `F.linear` (ENGINEERING.md, "How close a forward
   per layer (biases, when present, are fused alongside: qwen2's q/k/v bias, llama's attention/mlp bias);
   qwen3's per-head q/k RMSNorms run on the fused output, before RoPE, as in HF;
 * float32 on an x86-64 CPU with AVX2: every projection on goose's own kernel (`cpukernel`,
-  ``cpu_linear.cpp``), which reads each weight once per call whatever the number of tokens and fuses the
+  ``cpu_kernels.cpp``), which reads each weight once per call whatever the number of tokens and fuses the
   RMSNorm before QKV / gate-up / the output projection, silu(gate) * up before the down projection, and
-  the residual adds after the o / down projections (one packed copy of the weights);
+  the residual adds after the o / down projections (one packed copy of the weights); and each layer's
+  attention in one call of its attention kernel (rotary embedding, cache write, scores, softmax, weighted
+  sum; head dims that are a multiple of 8), where PyTorch needs ~15 small operations;
 * otherwise (``kernel=False``, or the kernel unavailable) PyTorch's kernels: oneDNN-prepacked float32
   weights (``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``) for calls of
   several tokens, a private API, so anything else (other dtypes, other devices, the op missing) falls back
@@ -49,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpukernel
-from .cpukernel import CpuLinear
+from .cpukernel import CpuKernels
 from .errors import GooseError
 from .forward import active_sliding_window
 
@@ -146,7 +148,7 @@ class _Linear:
     __slots__ = ("weight", "bias", "packed", "wt", "kernel", "out")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, gemv: bool,
-                 kernel: CpuLinear | None = None) -> None:
+                 kernel: CpuKernels | None = None) -> None:
         self.weight = weight.detach().contiguous()  # [out, in]
         self.bias = None if bias is None else bias.detach().contiguous()  # [out]
         self.out = self.weight.shape[0]
@@ -197,7 +199,7 @@ class _Layer:
 
     __slots__ = ("ln1", "eps1", "qkv", "o", "ln2", "eps2", "gate_up", "down", "qk_norm")
 
-    def __init__(self, layer, prepack: bool, gemv: bool, kernel: CpuLinear | None) -> None:
+    def __init__(self, layer, prepack: bool, gemv: bool, kernel: CpuKernels | None) -> None:
         a, m = layer.self_attn, layer.mlp
         self.ln1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.ln2, self.eps2 = layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon
@@ -256,6 +258,8 @@ class LeanForward:
         self.layers = [_Layer(layer, self.prepacked, self.gemv, kern) for layer in base.layers]
         self.norm, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
         self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias, self.prepacked, self.gemv, kern)  # [vocab, hid]
+        # goose's attention kernel along with its linear kernel (head dims that are a multiple of 8)
+        self.attn_kernel = kern if kern is not None and cpukernel.attention_reason(self.head_dim, self.dtype) is None else None
         self.kv = None  # [layers, 2, K, capacity, D]
         self._len = 0  # filled cache entries
         self._prefix = 0  # cache length before the last call
@@ -316,6 +320,18 @@ class LeanForward:
             pos = depths.to(dev) + p  # [n]
         x = F.embedding(ids, self.embed)  # [n, hid]
         cos, sin = self.rotary(x, pos[None])  # [1, n, D] each, model dtype
+        kv = self.kv
+        if self.attn_kernel is not None:  # rotary, cache write and attention in one call per layer
+            attend = self.attn_kernel.attention_step(H, cos[0], sin[0], kv, p, allowed, self.scale)
+            for li, L in enumerate(self.layers):
+                qkv = L.qkv(x, norm=(L.ln1, L.eps1))  # [n, (H + 2K) * D], of RMSNorm(x)
+                if L.qk_norm is not None:  # per-head q/k RMSNorm, before RoPE
+                    qw, qe, kw, ke = L.qk_norm
+                    qk = qkv[:, : (H + K) * D].view(n, H + K, D)
+                    qkv[:, : (H + K) * D] = torch.cat([_rms(qk[:, :H], qw, qe), _rms(qk[:, H:], kw, ke)], 1).view(n, -1)
+                a = attend(li, qkv)  # [n, H*D]
+                self._mlp(L, a, x)
+            return self._finish(x, p, total, keep_last)
         half = D // 2
         cos = cos[0, :, None, :]  # [n, 1, D]
         # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]
@@ -327,7 +343,6 @@ class LeanForward:
             mask = torch.zeros(n, total, dtype=dt, device=dev).masked_fill_(~ok, torch.finfo(dt).min)
             mask = mask.repeat(G, 1)  # [G * n, P + n]: rows grouped like the queries
 
-        kv = self.kv
         for li, L in enumerate(self.layers):
             # --- attention ---
             qkv = L.qkv(x, norm=(L.ln1, L.eps1))  # [n, (H + 2K) * D], of RMSNorm(x)
@@ -353,11 +368,17 @@ class LeanForward:
                 a = a.view(1, H * D)  # [1, H*D]
             else:
                 a = a.view(K, G, n, D).permute(2, 0, 1, 3).reshape(n, H * D)  # [n, H*D]
-            L.o(a, out=x)  # x += o(a), in place
-            # --- MLP ---
-            gu = L.gate_up(x, norm=(L.ln2, L.eps2))  # [n, 2I], of RMSNorm(x)
-            L.down(gu, gated=True, out=x)  # x += down(silu(gate) * up), in place
+            self._mlp(L, a, x)
+        return self._finish(x, p, total, keep_last)
 
+    @staticmethod
+    def _mlp(L: _Layer, a: torch.Tensor, x: torch.Tensor) -> None:
+        """The rest of a layer after attention `a [n, H*D]`: output projection and MLP, residuals into x."""
+        L.o(a, out=x)  # x += o(a), in place
+        gu = L.gate_up(x, norm=(L.ln2, L.eps2))  # [n, 2I], of RMSNorm(x)
+        L.down(gu, gated=True, out=x)  # x += down(silu(gate) * up), in place
+
+    def _finish(self, x: torch.Tensor, p: int, total: int, keep_last: int | None) -> torch.Tensor:
         self._prefix, self._len = p, total
         if keep_last:
             x = x[-keep_last:]  # [keep_last, hid]

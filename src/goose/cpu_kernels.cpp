@@ -1,4 +1,7 @@
-// goose's small-batch float32 linear layer for x86-64 CPUs with AVX2 + FMA (built by cpukernel.py).
+// goose's float32 CPU kernels for x86-64 with AVX2 + FMA (built by cpukernel.py): a small-batch linear
+// layer (goose_linear) and a decoder layer's attention on a static KV cache (goose_attention).
+//
+// ---- goose_linear ----
 //
 //   y[m, n] = (y[m, n] +) sum_k in(x)[m, k] * w[n, k]  (+ bias[n])      w [N, K], y [M, N], row-major
 //
@@ -150,11 +153,142 @@ void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps,
   }
 }
 
+
+// ---- goose_attention helpers ----
+
+// e^x for x <= 0 (softmax arguments after subtracting the max), 8 lanes: x = n ln2 + r, |r| <= ln2 / 2,
+// e^r by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n through the exponent bits.
+// Lanes below -87 (and -inf) give 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);   // ln2 in two parts (Cody-Waite)
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// Rotary embedding (Hugging Face's rotate_half convention) of one head x [D] -> o [D]:
+// o = x * cos + (-x[D/2:], x[:D/2]) * sin.
+inline void rope(const float* x, const float* cos, const float* sin, int D, float* o) {
+  const int h = D / 2;
+  for (int d = 0; d < h; ++d) o[d] = x[d] * cos[d] - x[d + h] * sin[d];
+  for (int d = h; d < D; ++d) o[d] = x[d] * cos[d] + x[d - h] * sin[d];
+}
+
+// Scores s_r[j] = scale * <q_r, keys[j]> of R query rows q [R][D] for j in [0, T), keys [T][D] (D a
+// multiple of 8), 4 keys at a time, each key loaded once for the R rows (4 R accumulators). Every
+// (row, key) dot product is the same chain of FMAs and the same horizontal sum wherever it falls, so a
+// score depends on neither T nor R (the last block re-reads key T-1 for its missing keys).
+template <int R>
+inline void scores(const float* q, const float* keys, int64_t T, int D, float scale, float* s, int64_t lds) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < T; j0 += 4) {
+    const float* k[4];
+    for (int t = 0; t < 4; ++t) k[t] = keys + (j0 + t < T ? j0 + t : T - 1) * D;
+    __m256 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < 4; ++t) a[r][t] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+      const __m256 k0 = _mm256_loadu_ps(k[0] + d), k1 = _mm256_loadu_ps(k[1] + d);
+      const __m256 k2 = _mm256_loadu_ps(k[2] + d), k3 = _mm256_loadu_ps(k[3] + d);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + r * D + d);
+        a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
+        a[r][2] = _mm256_fmadd_ps(qv, k2, a[r][2]);
+        a[r][3] = _mm256_fmadd_ps(qv, k3, a[r][3]);
+      }
+    }
+    const int64_t m = T - j0 < 4 ? T - j0 : 4;
+    for (int r = 0; r < R; ++r) {
+      // [sum a0, .., sum a3]: pairwise within 128-bit lanes, then the two lanes added
+      const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
+      const __m128 v = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)),
+                                  _mm256_castps256_ps128(sc));
+      if (m == 4) {
+        _mm_storeu_ps(s + r * lds + j0, v);
+      } else {
+        float buf[4];
+        _mm_storeu_ps(buf, v);
+        for (int t = 0; t < m; ++t) s[r * lds + j0 + t] = buf[t];
+      }
+    }
+  }
+}
+
+// o_r [8 W] = inv_r * sum_j e_r[j] v[j] for R rows (e_r = e + r * lde, o_r = o + r * ldo) over j in
+// [0, T), v rows of stride D: each value vector is loaded once for the R rows (R x W accumulators).
+template <int R, int W>
+inline void weighted(const float* e, int64_t lde, const float* v, int64_t T, int64_t D, const float* inv, float* o,
+                     int64_t ldo) {
+  __m256 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < W; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < T; ++j) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 ej = _mm256_set1_ps(e[r * lde + j]);
+      for (int c = 0; c < W; ++c) acc[r][c] = _mm256_fmadd_ps(ej, _mm256_loadu_ps(v + j * D + 8 * c), acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 iv = _mm256_set1_ps(inv[r]);
+    for (int c = 0; c < W; ++c) _mm256_storeu_ps(o + r * ldo + 8 * c, _mm256_mul_ps(acc[r][c], iv));
+  }
+}
+
+template <int R>
+inline void weighted_rows(const float* e, int64_t lde, const float* v, int64_t T, int D, const float* inv, float* o,
+                          int64_t ldo) {
+  for (int d0 = 0; d0 < D; d0 += 32) {  // 32 columns (4 x 8) at a time
+    switch (D - d0 < 32 ? (D - d0) / 8 : 4) {
+      case 4: weighted<R, 4>(e, lde, v + d0, T, D, inv, o + d0, ldo); break;
+      case 3: weighted<R, 3>(e, lde, v + d0, T, D, inv, o + d0, ldo); break;
+      case 2: weighted<R, 2>(e, lde, v + d0, T, D, inv, o + d0, ldo); break;
+      default: weighted<R, 1>(e, lde, v + d0, T, D, inv, o + d0, ldo); break;
+    }
+  }
+}
+
+// Softmax numerators of s [T] in place (e^(s - max), masked -inf -> 0) padded with zeros to a multiple
+// of 8; returns 1 / their sum.
+inline float softmax_numerators(float* s, int64_t T) {
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 8 <= T; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+  float buf[8];
+  _mm256_storeu_ps(buf, mx);
+  float m = buf[0];
+  for (int t = 1; t < 8; ++t) m = buf[t] > m ? buf[t] : m;
+  for (; j < T; ++j) m = s[j] > m ? s[j] : m;
+  for (int64_t t = T; t < T + 8; ++t) s[t] = -INFINITY;  // pad the last block
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 total = _mm256_setzero_ps();
+  for (j = 0; j < T; j += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+    _mm256_storeu_ps(s + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  _mm256_storeu_ps(buf, total);
+  float sum = 0.0f;
+  for (int t = 0; t < 8; ++t) sum += buf[t];
+  return 1.0f / sum;
+}
 }  // namespace
 
 extern "C" {
 
-int goose_linear_abi(void) { return 2; }
+int goose_kernels_abi(void) { return 3; }
 
 // x [M, K] ([M, 2K] when gated), packed [ceil(N / 16)][K][16], bias [ceil(N / 16) * 16] or null,
 // norm [K] or null, y [M, N]; all contiguous. accumulate: y += ..., else y = ...
@@ -197,6 +331,60 @@ void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int
           rows<true>(r, xm, K, k, w, yp, N, cols, bp, acc);
         else
           rows<false>(r, xm, K, k, w, yp, N, cols, bp, acc);
+      }
+    }
+  }
+}
+
+
+// One decoder layer's attention for n new tokens appended to a static KV cache at positions p..p+n-1.
+//   qkv [n, (H + 2 Kh) D]: the q, k and v projections of the new tokens (heads in order);
+//   cos, sin [n, D]: their rotary tables; keys, vals: this layer's cache, [Kh][cap][D] each (the new
+//   tokens' rotated keys and values are written into it); allowed [n, n] (uint8, row i = which new tokens
+//   token i sees) or null (causal); out [n, H D]. Query head h reads kv head h / (H / Kh).
+// Each (token, head) row is independent: scores over the visible keys, softmax (in float32, max
+// subtracted), the weighted sum of values; a row's result does not depend on n or on the other rows.
+void goose_attention(const float* qkv, int64_t n, int64_t H, int64_t Kh, int64_t D, const float* cos,
+                     const float* sin, float* keys, float* vals, int64_t cap, int64_t p, const uint8_t* allowed,
+                     float scale, float* out) {
+  const int64_t row = (H + 2 * Kh) * D, T = p + n, G = H / Kh;
+  const int d = static_cast<int>(D);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < Kh; ++h) {
+      rope(qkv + i * row + (H + h) * D, cos + i * D, sin + i * D, d, keys + (h * cap + p + i) * D);
+      memcpy(vals + (h * cap + p + i) * D, qkv + i * row + (H + Kh + h) * D, sizeof(float) * D);
+    }
+  constexpr int kRows = 3;  // query heads per work item (they share every key load)
+  const int64_t groups = (G + kRows - 1) / kRows, lds = T + 8;
+#pragma omp parallel
+  {
+    std::vector<float> s(kRows * lds), q(kRows * D);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < n * Kh * groups; ++item) {
+      const int64_t i = item / (Kh * groups), kv = item / groups % Kh, h0 = kv * G + item % groups * kRows;
+      const int R = static_cast<int>(G - (h0 - kv * G) < kRows ? G - (h0 - kv * G) : kRows);
+      for (int r = 0; r < R; ++r) rope(qkv + i * row + (h0 + r) * D, cos + i * D, sin + i * D, d, q.data() + r * D);
+      const float* kh = keys + kv * cap * D;
+      const float* vh = vals + kv * cap * D;
+      const int64_t Tv = allowed ? T : p + i + 1;  // causal: new tokens up to i; a tree masks below
+      switch (R) {
+        case 3: scores<3>(q.data(), kh, Tv, d, scale, s.data(), lds); break;
+        case 2: scores<2>(q.data(), kh, Tv, d, scale, s.data(), lds); break;
+        default: scores<1>(q.data(), kh, Tv, d, scale, s.data(), lds); break;
+      }
+      float inv[kRows];
+      for (int r = 0; r < R; ++r) {
+        float* sr = s.data() + r * lds;
+        if (allowed)
+          for (int64_t t = 0; t < n; ++t)
+            if (!allowed[i * n + t]) sr[p + t] = -INFINITY;
+        inv[r] = softmax_numerators(sr, Tv);
+      }
+      float* o = out + i * H * D + h0 * D;
+      switch (R) {
+        case 3: weighted_rows<3>(s.data(), lds, vh, Tv, d, inv, o, D); break;
+        case 2: weighted_rows<2>(s.data(), lds, vh, Tv, d, inv, o, D); break;
+        default: weighted_rows<1>(s.data(), lds, vh, Tv, d, inv, o, D); break;
       }
     }
   }
