@@ -1,5 +1,6 @@
-"""Cost of one forward vs query size N: HFForward against LeanForward (with PyTorch's kernels and with
-goose's own CPU kernel, `goose.cpukernel`), interleaved in one run.
+"""Cost of one forward vs query size N: HFForward against LeanForward (with PyTorch's kernels; with goose's
+linear kernel and PyTorch's attention; with goose's linear and attention kernels, `goose.cpukernel`),
+interleaved in one run.
 
 Each timed call verifies a tree of N nodes on top of a KV cache of --cache-len tokens, then rolls the
 cache back (``keep([])``) so every call sees the same prefix. N = 1 is a plain single-token step (no mask),
@@ -83,7 +84,8 @@ def main() -> None:
     vocab = model.get_output_embeddings().weight.shape[0]
     rng = random.Random(0)
     prompt = [rng.randrange(3, vocab) for _ in range(args.cache_len)]
-    forwards = {"hf": HFForward(model, kernel=False), "lean-torch": LeanForward(model, kernel=False), "lean": LeanForward(model)}
+    forwards = {"hf": HFForward(model, kernel=False), "lean-torch": LeanForward(model, kernel=False),
+                "lean-linear": LeanForward(model, attention_kernel=False), "lean": LeanForward(model)}
     trees = {n: random_tree(rng, n) for n in sizes}
     toks = {n: [rng.randrange(3, vocab) for _ in range(n)] for n in sizes}
     times = {(name, n): [] for name in forwards for n in sizes}
@@ -105,7 +107,7 @@ def main() -> None:
     gen_ms = statistics.median(gen)
     names = list(forwards)
     print(f"model {args.model}, cache {args.cache_len} tokens, {torch.get_num_threads()} threads, "
-          f"{args.repeats} repeats; weight kernels: "
+          f"{args.repeats} repeats; kernels: "
           + ", ".join(f"{k}={f.backend}" for k, f in forwards.items() if hasattr(f, "backend")))
     print(f"{'N':>5} " + " ".join(f"{k + ' ms':>14}" for k in names) + " "
           + " ".join(f"{k + ' c(N)/c(1)':>20}" for k in names) + f" {'lean/HF':>8}")

@@ -157,7 +157,7 @@ def test_packaged_gguf_that_fails_to_assemble(monkeypatch, tmp_path, capsys):
     assert not any((tmp_path / "goose" / "models").iterdir())  # the scratch directory is gone
 
 
-def test_profile_prints_the_curve_and_the_weight_kernel(tiny_dir, capsys, tmp_path, monkeypatch):
+def test_profile_prints_the_curve_and_the_kernels(tiny_dir, capsys, tmp_path, monkeypatch):
     from goose import cpukernel
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # measured here, not read from a cache
@@ -165,9 +165,9 @@ def test_profile_prints_the_curve_and_the_weight_kernel(tiny_dir, capsys, tmp_pa
     code, out, err = run(["profile", "--model", str(tiny_dir), "--plot", str(plot)], capsys)
     assert code == 0, err
     header, _, *rows = out.splitlines()[:-1]
-    assert "LeanForward" in header and "weights: " in header
+    assert "LeanForward" in header and "kernels: " in header
     if cpukernel.kernel() is not None:
-        assert "weights: goose-avx2)" in header
+        assert "kernels: goose-avx2+attention)" in header
     else:
         assert "goose's CPU kernel unavailable: " + cpukernel.unavailable_reason() in header
     sizes = [int(r.split()[0]) for r in rows]

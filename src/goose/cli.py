@@ -148,8 +148,8 @@ def cmd_profile(args) -> int:
     fwd = default_forward(model)
     curve = load_or_measure(model, fwd, remeasure=args.remeasure)
     why = cpukernel.unavailable_reason()
-    weights = getattr(fwd, "backend", "?") + ("" if why is None else f"; goose's CPU kernel unavailable: {why}")
-    print(f"forward cost of {args.model} ({args.dtype}, {args.device}, {type(fwd).__name__}, weights: {weights})")
+    kernels = getattr(fwd, "backend", "?") + ("" if why is None else f"; goose's CPU kernel unavailable: {why}")
+    print(f"forward cost of {args.model} ({args.dtype}, {args.device}, {type(fwd).__name__}, kernels: {kernels})")
     print(f"{'tokens':>6} {'ms':>9} {'x cost(1)':>10} {'break-even accepted':>20}")
     for n, ms in zip(curve.sizes, curve.ms):
         print(f"{n:>6} {ms:>9.1f} {ms / curve.ms[0]:>10.2f} {curve.break_even(n):>20.2f}")

@@ -218,10 +218,12 @@ class _Layer:
 class LeanForward:
     """Fast forward for llama / mistral / qwen2 / qwen3 models with a static in-place KV cache (see module doc)."""
 
-    def __init__(self, model, *, kernel: bool | None = None, prepack: bool | None = None,
-                 gemv: bool | None = None) -> None:
-        """`kernel`: None = goose's own AVX2 linear kernel when it is available here (float32 on an x86-64
-        CPU, see `cpukernel`); True = require it; False = PyTorch's kernels, as follows.
+    def __init__(self, model, *, kernel: bool | None = None, attention_kernel: bool = True,
+                 prepack: bool | None = None, gemv: bool | None = None) -> None:
+        """`kernel`: None = goose's own AVX2 kernels when they are available here (float32 on an x86-64
+        CPU, see `cpukernel`); True = require them; False = PyTorch's kernels, as follows.
+        `attention_kernel`: with goose's kernels, also run attention on goose's kernel (head dims that are a
+        multiple of 8); False = PyTorch's attention with goose's linear kernel (for comparisons).
         `prepack`: None = oneDNN prepacked weights when available (float32, CPU); False = `F.linear`.
         `gemv`: also keep W^T for single-row calls (None = when prepacked; doubles the weight memory)."""
         reason = unsupported_reason(model)
@@ -245,9 +247,6 @@ class LeanForward:
             raise GooseError("oneDNN prepacking needs float32 weights on CPU and torch's mkldnn ops")
         self.prepacked = can_pack if prepack is None else bool(prepack)
         self.gemv = self.prepacked if gemv is None else bool(gemv)
-        # which kernel runs the weight multiplies (part of the cost-curve cache key)
-        self.backend = ("goose-avx2" if kern is not None else "onednn" if self.prepacked else "torch") + (
-            "+gemv" if self.gemv else "")
         attn = base.layers[0].self_attn
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads  # H, K
         self.head_dim = attn.head_dim  # D
@@ -259,7 +258,11 @@ class LeanForward:
         self.norm, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
         self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias, self.prepacked, self.gemv, kern)  # [vocab, hid]
         # goose's attention kernel along with its linear kernel (head dims that are a multiple of 8)
-        self.attn_kernel = kern if kern is not None and cpukernel.attention_reason(self.head_dim, self.dtype) is None else None
+        self.attn_kernel = kern if (kern is not None and attention_kernel
+                                    and cpukernel.attention_reason(self.head_dim, self.dtype) is None) else None
+        # which kernels run the weight multiplies and attention (part of the cost-curve cache key)
+        self.backend = ("goose-avx2" if kern is not None else "onednn" if self.prepacked else "torch") + (
+            "+gemv" if self.gemv else "") + ("+attention" if self.attn_kernel is not None else "")
         self.kv = None  # [layers, 2, K, capacity, D]
         self._len = 0  # filled cache entries
         self._prefix = 0  # cache length before the last call
