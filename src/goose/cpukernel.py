@@ -37,7 +37,7 @@ from .model import cache_root
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 PANEL = 16  # output columns per packed panel (must match kPanel in the source)
-ABI = 3  # goose_kernels_abi() of this version of the source
+ABI = 4  # goose_kernels_abi() of this version of the source
 ENV_SWITCH = "GOOSE_CPU_KERNEL"
 
 _state: dict[str, object] = {}
@@ -92,12 +92,13 @@ class CpuKernels:
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
-        """``[N, K]`` float32 -> panels ``[ceil(N / 16), K, 16]`` (rows past N are zero)."""
+        """``[N, K]`` float32 -> panels of 16 columns, each stored as two halves of 8: ``[ceil(N / 16), 2, K, 8]``
+        (rows past N are zero)."""
         n, k = weight.shape
         w = weight.detach().float().contiguous()
         if n % PANEL:
             w = torch.cat([w, w.new_zeros(PANEL - n % PANEL, k)])
-        return w.view(-1, PANEL, k).transpose(1, 2).contiguous()
+        return w.view(-1, 2, PANEL // 2, k).transpose(2, 3).contiguous()
 
     @staticmethod
     def pack_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -117,7 +118,7 @@ class CpuKernels:
         the result is added to it in place (a residual connection) and ``out`` is returned."""
         x = x.contiguous()
         m, k = x.shape
-        k_in = packed.shape[1]
+        k_in = packed.shape[2]
         if k != (2 * k_in if gated else k_in):
             raise ValueError(f"input has {k} features, the weight {k_in}" + (" (x2 when gated)" if gated else ""))
         if norm is not None and (gated or norm[0].shape != (k_in,)):
