@@ -138,6 +138,8 @@ def test_attention_refuses_bad_input():
         KERNEL.attention_step(2, cos, sin, cache, 3, None, 1.0)  # 3 + 2 tokens past a capacity of 4
     with pytest.raises(ValueError, match="float32"):
         KERNEL.attention_step(2, cos, sin, cache.double(), 0, None, 1.0)
+    with pytest.raises(ValueError, match="see itself"):
+        KERNEL.attention_step(2, cos, sin, cache, 0, torch.tensor([[True, False], [True, False]]), 1.0)
     step = KERNEL.attention_step(2, cos, sin, cache, 0, None, 1.0)
     with pytest.raises(ValueError, match="qkv"):
         step(0, torch.zeros(2, 31))

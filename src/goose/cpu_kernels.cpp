@@ -164,7 +164,6 @@ void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps,
   }
 }
 
-
 // ---- goose_attention helpers ----
 
 // e^x for x <= 0 (softmax arguments after subtracting the max), 8 lanes: x = n ln2 + r, |r| <= ln2 / 2,
@@ -295,6 +294,7 @@ inline float softmax_numerators(float* s, int64_t T) {
   for (int t = 0; t < 8; ++t) sum += buf[t];
   return 1.0f / sum;
 }
+
 }  // namespace
 
 extern "C" {

@@ -140,7 +140,8 @@ class CpuKernels:
         ``cache [layers, 2 (keys, values), Kh, capacity, D]`` holding ``prefix`` tokens: rotary embedding
         (``cos, sin [n, D]``, Hugging Face's rotate_half convention), cache write at ``prefix..prefix+n-1``,
         scores, softmax, weighted sum. ``allowed [n, n]`` (bool): which new tokens each one sees (None:
-        causal). Everything is checked here once; the returned step is then called per layer."""
+        causal; each token must see itself). Everything is checked here once; the returned step is then called
+        per layer."""
         return AttentionStep(self._attn, n_heads, cos, sin, cache, prefix, allowed, scale)
 
 
@@ -158,6 +159,8 @@ class AttentionStep:
         self._keep = [t.contiguous() for t in (cos, sin)]  # alive as long as the step
         if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*self._keep, cache)) or not cache.is_contiguous():
             raise ValueError("attention needs float32 CPU tensors and a contiguous cache")
+        if allowed is not None and not bool(allowed.diagonal().all()):
+            raise ValueError("attention: every new token must see itself (allowed[i, i])")
         mask = None if allowed is None or n == 1 else allowed.to(torch.uint8).contiguous()
         if mask is not None:
             self._keep.append(mask)
