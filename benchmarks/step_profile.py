@@ -1,8 +1,8 @@
 """Per-stage time of one decoding step (draft, tensorize, forward, verify, compact, harvest, commit).
 
 Runs each method on a few Spec-Bench questions (chat template) with the generic Hugging Face forward
-(alone and with goose's output-projection kernel) and with the lean forward (on PyTorch's kernels and on
-goose's CPU kernel), and prints ms per step by stage and the share of the step spent outside the
+(alone and with its linear layers on goose's kernel) and with the lean forward (on PyTorch's kernels, on
+goose's linear kernel with PyTorch's attention, and on goose's linear and attention kernels), and prints ms per step by stage and the share of the step spent outside the
 forward. A long-prompt run shows that drafting cost does not grow with the context (incremental
 indexes, no rescans).
 
@@ -65,7 +65,8 @@ def main() -> None:
     backends = {"hf": lambda m: HFForward(m, kernel=False), "hf+kernel": HFForward}  # generic; linears on goose's kernel
     if lean_supports(model):
         backends["lean-torch"] = lambda m: LeanForward(m, kernel=False)  # PyTorch's kernels
-        backends["lean"] = LeanForward  # goose's CPU kernel where available (the default)
+        backends["lean-linear"] = lambda m: LeanForward(m, attention_kernel=False)  # goose's linear kernel only
+        backends["lean"] = LeanForward  # goose's linear and attention kernels where available (the default)
     print(f"{'method':12} {'forward':10} " + " ".join(f"{s:>9}" for s in STAGES) + f" {'outside%':>9} {'tok/s':>7}")
     for method in args.methods.split(","):
         for name, cls in backends.items():
