@@ -55,3 +55,22 @@ def test_reset_forgets_everything():
     adj.harvest([4, 5], [-1, 4], logits_preferring([[1, 2], [7, 8]]))
     adj.reset()
     assert adj.successors(5, prev=4) is None and adj.successors(4) is None
+
+
+def test_harvest_is_the_same_with_and_without_goose_kernel(monkeypatch):
+    """The top-k behind a harvest runs on goose's CPU kernel where it is available, else torch.topk: same table."""
+    from goose import cpukernel
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 500, generator=g)  # distinct values: the top 10 is unambiguous
+    tokens, prevs = [3, 9, 3, 40, 7, 11], [-1, 3, 9, 3, 40, 7]
+    tables = []
+    for kernel in (cpukernel.kernel(), None):
+        monkeypatch.setattr(cpukernel, "kernel", lambda kernel=kernel: kernel)
+        adj = AdjacencyTable(500, AdjacencyConfig(top_k=10))
+        adj.harvest(tokens, prevs, logits)
+        adj.harvest(tokens[:2], prevs[:2], logits.double()[:2])  # not float32: torch.topk either way
+        tables.append(adj)
+    a, b = tables
+    assert (a.ids == b.ids).all() and (a.scores == b.scores).all() and (a.observed == b.observed).all()
+    assert a.bigram == b.bigram

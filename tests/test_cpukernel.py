@@ -1,6 +1,7 @@
 """goose's own CPU kernels (`goose.cpukernel`): build here; the linear kernel multiplies right with rows
 independent of each other; the attention kernel matches a float64 reference (rotary, cache write, tree
-masks, GQA); they fall back clearly, and `LeanForward` on them matches PyTorch's kernels and the HF model."""
+masks, GQA); top-k matches a stable sort; they fall back clearly, and `LeanForward` on them matches
+PyTorch's kernels and the HF model."""
 
 from __future__ import annotations
 
@@ -148,6 +149,38 @@ def test_attention_refuses_bad_input():
     assert cpukernel.attention_reason(12, torch.float32) is not None
     assert cpukernel.attention_reason(64, torch.float64) is not None
     assert cpukernel.attention_reason(64, torch.float32) is None
+
+
+@needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 6), v=st.integers(1, 200), k=st.integers(1, 12), levels=st.sampled_from([3, 50, 0]),
+       pad=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+def test_topk_matches_a_stable_sort(n, v, k, levels, pad, seed):
+    """Values in descending order, ties to the lower index (a stable sort of -x), rows with a stride."""
+    k = min(k, v)
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(n, v + pad, generator=g) if levels == 0 else torch.randint(0, levels, (n, v + pad), generator=g).float()
+    x = wide[:, :v]  # rows of stride v + pad
+    vals, ids = KERNEL.topk(x, k)
+    order = torch.sort(-x, dim=-1, stable=True).indices[:, :k]
+    assert torch.equal(ids, order) and torch.equal(vals, torch.gather(x, 1, order))
+    if levels == 0 and n:
+        assert torch.equal(vals, torch.topk(x, k).values)
+
+
+@needs_kernel
+def test_topk_skips_nans_and_refuses_bad_input():
+    x = torch.tensor([[1.0, float("nan"), 3.0, -float("inf"), 2.0]])
+    vals, ids = KERNEL.topk(x, 4)
+    assert ids.tolist() == [[2, 4, 0, 3]] and vals[0, :3].tolist() == [3.0, 2.0, 1.0]
+    vals, ids = KERNEL.topk(torch.tensor([[float("nan"), 1.0]]), 2)
+    assert ids[0, 0] == 1 and torch.isnan(vals[0, 1])
+    with pytest.raises(ValueError, match="k = 6"):
+        KERNEL.topk(x, 6)
+    with pytest.raises(ValueError, match="float32"):
+        KERNEL.topk(x.double(), 2)
+    with pytest.raises(ValueError, match="unit stride"):
+        KERNEL.topk(torch.randn(4, 6).T, 2)
 
 
 @needs_kernel

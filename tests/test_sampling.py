@@ -25,7 +25,7 @@ from goose.costmodel import CostCurve
 from goose.decoding import Decoder
 from goose.errors import GooseError
 from goose.methods import METHODS
-from goose.sampling import warpers
+from goose.sampling import argmax_rows, warpers
 
 BIG_TREES = CostCurve((1, 128), (10, 10.5))  # trees almost free: goose verifies large trees
 SMALL_V = 8
@@ -195,3 +195,14 @@ def test_the_exact_distribution_is_a_distribution_and_top_p_prunes_it(small_mode
 def test_unknown_options_are_named():
     with pytest.raises(GooseError, match="unknown option.*temprature"):
         Decoder(_tiny(), None, "ar").generate([3, 4, 5], 5, temprature=0.5)
+
+
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(1, 6), vocab=st.integers(1, 300), levels=st.integers(1, 5), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_argmax_rows_is_torch_argmax_ties_included(n, vocab, levels, seed, dtype):
+    """The greedy choice (numpy's argmax on CPU float32) picks the first maximum, exactly as torch.argmax."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (n, vocab), generator=g).to(dtype)  # few distinct values: many ties
+    assert argmax_rows(logits) == logits.argmax(-1).tolist()
+    assert argmax_rows(logits[:, ::2]) == logits[:, ::2].argmax(-1).tolist()  # a strided view

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from . import cpukernel
 from .config import AdjacencyConfig
 
 Successors = tuple[list[int], list[float]]
@@ -52,7 +53,11 @@ class AdjacencyTable:
         if n == 0:
             return
         k = self.k
-        values, idx = torch.topk(logits.float(), k, dim=-1)  # [n, K] each
+        kern = cpukernel.kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        if kern is not None and logits.stride(-1) == 1:
+            values, idx = kern.topk(logits, k)  # [n, K] each: one vectorized pass per row
+        else:
+            values, idx = torch.topk(logits.float(), k, dim=-1)
         values, ids = values.cpu(), idx.cpu().numpy()
         if self.cfg.with_scores:
             scores = torch.softmax(values, dim=-1).numpy()  # [n, K], over the K kept logits only

@@ -1,5 +1,6 @@
 // goose's float32 CPU kernels for x86-64 with AVX2 + FMA (built by cpukernel.py): a small-batch linear
-// layer (goose_linear) and a decoder layer's attention on a static KV cache (goose_attention).
+// layer (goose_linear), a decoder layer's attention on a static KV cache (goose_attention), and the top k
+// of logit rows (goose_topk).
 //
 // ---- goose_linear ----
 //
@@ -299,7 +300,7 @@ inline float softmax_numerators(float* s, int64_t T) {
 
 extern "C" {
 
-int goose_kernels_abi(void) { return 4; }
+int goose_kernels_abi(void) { return 5; }
 
 // x [M, K] ([M, 2K] when gated), packed [ceil(N / 16)][K][16], bias [ceil(N / 16) * 16] or null,
 // norm [K] or null, y [M, N]; all contiguous. accumulate: y += ..., else y = ...
@@ -397,6 +398,47 @@ void goose_attention(const float* qkv, int64_t n, int64_t H, int64_t Kh, int64_t
         case 2: weighted_rows<2>(s.data(), lds, vh, Tv, d, inv, o, D); break;
         default: weighted_rows<1>(s.data(), lds, vh, Tv, d, inv, o, D); break;
       }
+    }
+  }
+}
+
+// The k largest values of each row of x [n, V] (row stride ldx) in descending order, ties to the lower
+// index (NaNs are never taken; slots they leave empty hold NaN, index 0): vals [n, k], ids [n, k], k <= V. One pass per row: a sorted buffer of k,
+// and 8 values at a time compared with its smallest, so almost every block is skipped after the first few.
+void goose_topk(const float* x, int64_t n, int64_t V, int64_t ldx, int64_t k, float* vals, int64_t* ids) {
+#pragma omp parallel for schedule(static) if (n > 1)
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = x + i * ldx;
+    float* tv = vals + i * k;
+    int64_t* ti = ids + i * k;
+    int64_t filled = 0;
+    auto offer = [&](float v, int64_t j) {  // insert after every value >= v (earlier indices win ties)
+      if (!(v > (filled < k ? -INFINITY : tv[k - 1])) && !(filled < k && v == -INFINITY)) return;
+      int64_t pos = filled < k ? filled++ : k - 1;
+      while (pos > 0 && tv[pos - 1] < v) {
+        tv[pos] = tv[pos - 1];
+        ti[pos] = ti[pos - 1];
+        --pos;
+      }
+      tv[pos] = v;
+      ti[pos] = j;
+    };
+    int64_t j = 0;
+    for (; j < V && filled < k; ++j) offer(row[j], j);
+    for (; j + 32 <= V; j += 32) {  // 32 values per test: a block with no candidate costs ~4 compares
+      const __m256 th = _mm256_set1_ps(tv[k - 1]);
+      const __m256 any = _mm256_or_ps(
+          _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), th, _CMP_GT_OQ),
+                       _mm256_cmp_ps(_mm256_loadu_ps(row + j + 8), th, _CMP_GT_OQ)),
+          _mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j + 16), th, _CMP_GT_OQ),
+                       _mm256_cmp_ps(_mm256_loadu_ps(row + j + 24), th, _CMP_GT_OQ)));
+      if (_mm256_movemask_ps(any))
+        for (int t = 0; t < 32; ++t) offer(row[j + t], j + t);
+    }
+    for (; j < V; ++j) offer(row[j], j);
+    for (; filled < k; ++filled) {  // fewer than k values that are not NaN
+      tv[filled] = NAN;
+      ti[filled] = 0;
     }
   }
 }

@@ -37,7 +37,7 @@ from .model import cache_root
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 PANEL = 16  # output columns per packed panel (must match kPanel in the source)
-ABI = 4  # goose_kernels_abi() of this version of the source
+ABI = 5  # goose_kernels_abi() of this version of the source
 ENV_SWITCH = "GOOSE_CPU_KERNEL"
 
 _state: dict[str, object] = {}
@@ -84,6 +84,10 @@ class CpuKernels:
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
                              ctypes.c_int]
+        self._topk = lib.goose_topk
+        self._topk.restype = None
+        self._topk.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_void_p]
         self._attn = lib.goose_attention
         self._attn.restype = None
         self._attn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -133,6 +137,22 @@ class CpuKernels:
         self._fn(x.data_ptr(), m, k_in, packed.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(),
                  None if nw is None else nw.data_ptr(), eps, int(gated), int(out is not None))
         return y
+
+    def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k largest values of each row of ``x [n, V]`` (float32, CPU, unit stride along rows), in
+        descending order, ties to the lower index: ``(values [n, k], indices [n, k] int64)``, as
+        ``torch.topk`` (whose tie order is unspecified) but one vectorized pass per row (~10x faster for
+        a 49k vocabulary here). NaNs are never taken."""
+        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1:
+            raise ValueError("topk needs a float32 CPU [n, V] tensor with unit stride along rows")
+        n, v = x.shape
+        if not 1 <= k <= v:
+            raise ValueError(f"k = {k} must be in 1..{v}")
+        vals = torch.empty(n, k, dtype=torch.float32)
+        ids = torch.empty(n, k, dtype=torch.int64)
+        if n:
+            self._topk(x.data_ptr(), n, v, x.stride(0), k, vals.data_ptr(), ids.data_ptr())
+        return vals, ids
 
     def attention_step(self, n_heads: int, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, prefix: int,
                        allowed: torch.Tensor | None, scale: float) -> AttentionStep:

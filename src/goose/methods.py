@@ -17,6 +17,7 @@ from .datastore import load as load_datastore
 from .errors import GooseError
 from .lookahead import JacobiWindow, NgramPool
 from .ngram import NgramIndex
+from .sampling import argmax_rows
 from .selector import select
 from .spine import build_spine_tree, tree_budget
 from .tree import SPINE, DraftTree
@@ -234,7 +235,7 @@ class Lookahead(Method):
         n, self._tree_size = self._tree_size, None
         if n is None or len(tokens) - n != self.window.size:  # prefill, or the window was cut off
             return
-        for gram in self.window.update(logits[n:].argmax(-1).tolist()):
+        for gram in self.window.update(argmax_rows(logits[n:])):
             self.pool.add(gram)
 
 

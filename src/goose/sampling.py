@@ -32,6 +32,15 @@ def warpers(cfg: DecodeConfig) -> LogitsProcessorList:
     return procs
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Index of the first maximum of each row of ``[n, vocab]`` logits (torch.argmax's rule). For CPU
+    float32 rows numpy's vectorized argmax does it ~10x faster than torch's (9 vs 120 us per 49k-wide row
+    here)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 class Chooser:
     """Greedy over raw logits (the fast path: one batched argmax), or per path node through logits processors
     (greedy or sampling). With `record`, keeps each emitted token's raw and processed logits."""
@@ -72,13 +81,13 @@ class Chooser:
     def first(self, logits_last: torch.Tensor, prompt: list[int]) -> int:
         """The first generated token, from the prefill's last logits."""
         if self.fast:
-            return int(logits_last.argmax())
+            return argmax_rows(logits_last[None])[0]
         return self.choose(logits_last, prompt)
 
     def walk(self, tree: DraftTree, logits: torch.Tensor, committed: list[int]) -> WalkResult:
         """The verification walk over `tree` (root = committed[-1]) given its logits ``[n, vocab]``."""
         if self.fast:
-            return greedy_walk(tree, logits.argmax(-1).tolist())
+            return greedy_walk(tree, argmax_rows(logits))
         context = list(committed)
 
         def pick(node: int) -> int:
