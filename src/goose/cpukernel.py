@@ -1,5 +1,5 @@
-"""goose's own float32 CPU kernels for x86-64 (AVX2 + FMA), built on first use: a small-batch linear layer
-and a decoder layer's attention on a static KV cache.
+"""goose's own float32 CPU kernels for x86-64 (AVX2 + FMA), built on first use: a small-batch linear layer,
+a decoder layer's attention on a static KV cache, and the top k of logit rows.
 
 `LeanForward` multiplies every weight matrix by the 1..~16 rows of a decoding step or a draft tree. On a
 small AVX2 CPU, PyTorch's kernels for those shapes (MKL, oneDNN) stream the weights at about half the
@@ -75,7 +75,7 @@ def _gnu_openmp_loaded() -> bool:
 
 class CpuKernels:
     """The loaded kernels: ``pack`` a weight once, then ``linear`` any number of rows against it;
-    ``attention`` for one decoder layer."""
+    ``attention_step`` for the layers of one forward; ``topk`` of logit rows."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
