@@ -85,3 +85,15 @@ def _threads(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cost_curves_in_tmp(tmp_path_factory):
+    """Cost curves the tests measure (tiny random models) go to a temporary folder, not the user's cache."""
+    from goose import costmodel
+
+    root = tmp_path_factory.mktemp("goose-cache")
+    original = costmodel.cache_root
+    costmodel.cache_root = lambda: root
+    yield
+    costmodel.cache_root = original
