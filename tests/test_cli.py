@@ -158,9 +158,9 @@ def test_packaged_gguf_that_fails_to_assemble(monkeypatch, tmp_path, capsys):
 
 
 def test_profile_prints_the_curve_and_the_kernels(tiny_dir, capsys, tmp_path, monkeypatch):
-    from goose import cpukernel
+    from goose import costmodel, cpukernel
 
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # measured here, not read from a cache
+    monkeypatch.setattr(costmodel, "cache_root", lambda: tmp_path / "cache")  # measured here, not read from a cache
     plot = tmp_path / "curve.png"
     code, out, err = run(["profile", "--model", str(tiny_dir), "--plot", str(plot)], capsys)
     assert code == 0, err
@@ -173,4 +173,4 @@ def test_profile_prints_the_curve_and_the_kernels(tiny_dir, capsys, tmp_path, mo
     sizes = [int(r.split()[0]) for r in rows]
     ms = [float(r.split()[1]) for r in rows]
     assert sizes[0] == 1 and sizes == sorted(sizes) and ms == sorted(ms)  # a non-decreasing curve
-    assert plot.is_file() and list((tmp_path / "cache" / "goose" / "cost").glob("*.json"))
+    assert plot.is_file() and list((tmp_path / "cache" / "cost").glob("*.json"))
