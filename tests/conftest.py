@@ -93,7 +93,6 @@ def _cost_curves_in_tmp(tmp_path_factory):
     from goose import costmodel
 
     root = tmp_path_factory.mktemp("goose-cache")
-    original = costmodel.cache_root
-    costmodel.cache_root = lambda: root
-    yield
-    costmodel.cache_root = original
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(costmodel, "cache_root", lambda: root)
+        yield
