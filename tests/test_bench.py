@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,12 @@ def bench(tiny, out: Path, questions=QUESTIONS, methods=METHODS, model_id="tiny"
 @pytest.fixture(scope="module")
 def run_dir(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    res = bench(tiny, out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the tests that resume it run (threads are part of a run's settings)
+    try:
+        res = bench(tiny, out)
+    finally:
+        torch.set_num_threads(threads)
     assert (res.done, res.skipped, res.interrupted) == (3, 0, False)
     render_dir(out)
     return out
@@ -330,3 +336,35 @@ def test_cli_bench_runs_lookahead_and_rest_and_reports_their_settings(tiny, tmp_
     s = json.loads((out / "summary.json").read_text())
     assert s["methods"] == ["ar", "lookahead", "rest"]
     assert all(s["table"][m]["all"]["lossless"] == s["table"][m]["all"]["turns"] for m in s["methods"])
+
+
+def test_resume_with_other_threads_device_or_code_is_refused(run_dir, tmp_path):
+    """The timings of one run directory come from one setting: threads, device and code are pinned too."""
+    import shutil
+
+    out = tmp_path / "pinned"
+    shutil.copytree(run_dir, out)
+    meta = store.read_meta(out)
+    assert meta["threads"] == 1 and meta["device"] == "cpu" and set(meta["software"]) >= {"goose", "torch"}
+    for change, needle in (({"threads": 2}, "threads=1, not 2"), ({"device": "cuda"}, "device='cpu'"),
+                           ({"software": {**meta["software"], "goose": "0.0.0+other"}}, "other software (goose")):
+        with pytest.raises(GooseError, match=re.escape(needle)):
+            store.open_run(out, {**meta, **change})
+    assert store.read_meta(out) == meta  # nothing changed
+    legacy = {k: v for k, v in meta.items() if k != "software"}
+    (out / "run.json").write_text(json.dumps(legacy), encoding="utf-8")
+    with pytest.raises(GooseError, match="recorded without its software"):
+        store.open_run(out, meta)
+
+
+def test_resume_keeps_the_first_runs_record(run_dir, tmp_path):
+    import shutil
+
+    out = tmp_path / "keep"
+    shutil.copytree(run_dir, out)
+    meta = store.read_meta(out)
+    store.open_run(out, {**meta, "git_commit": "abc", "platform": "elsewhere", "commands": ["goose bench (again)"]})
+    after = store.read_meta(out)
+    assert after["platform"] == meta["platform"] and after["git_commit"] == meta["git_commit"]
+    assert after["git_commits"] == [meta["git_commit"], "abc"]
+    assert after["commands"] == meta["commands"] + ["goose bench (again)"]

@@ -50,12 +50,26 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed's range
+
+
+def seed_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be in 0..2^64-1, got {text}")
+    return value
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="0 (default): greedy; > 0: sample at this temperature (lossless: same distribution)")
     p.add_argument("--top-k", type=positive_int, default=None, help="sample from the k most likely tokens only")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep probability mass top-p (0, 1]")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0): same seed, same tokens")
+    p.add_argument("--seed", type=seed_int, default=0,
+                   help=f"sampling seed, 0..2^64-1 (default 0): same seed, same tokens")
 
 
 def sampling_options(args) -> dict:
@@ -77,7 +91,15 @@ def _read_prompt(args) -> str:
         path = Path(args.prompt_file)
         if not path.is_file():
             raise GooseError(f"prompt file not found: {path}")
-        return path.read_text(encoding="utf-8")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except OSError as exc:
+            raise GooseError(f"cannot read prompt file {path}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise GooseError(f"prompt file {path} is not UTF-8 text (byte {exc.start})") from None
+        if "\x00" in text:
+            raise GooseError(f"prompt file {path} looks binary (it holds NUL bytes), not text")
+        return text
     if args.prompt is None:
         raise GooseError("give a PROMPT or --prompt-file")
     return args.prompt
@@ -108,6 +130,8 @@ def cmd_generate(args) -> int:
         raise GooseError("the prompt is empty")
     if args.stream and args.json:
         raise GooseError("--stream prints text as it is accepted; it cannot be combined with --json")
+    if args.stream and args.verify:
+        raise GooseError("--verify compares the finished tokens with ar; it cannot be combined with --stream")
     options = sampling_options(args)
     model, tok = load_model(args.model, args.dtype, args.device)
     dec = Decoder(model, tok, args.method)
@@ -118,16 +142,24 @@ def cmd_generate(args) -> int:
         print()
         return 0
     res = dec.generate(ids, args.max_new_tokens, **options)
-    if not args.json:
-        print(res.text)
-        return 0
     payload = res.to_dict()
     if args.verify:
         ref = Decoder(model, tok, "ar").generate(ids, args.max_new_tokens, **options).token_ids
         payload["lossless"] = ref == res.token_ids
         if ref != res.token_ids:
             payload["mismatch"] = first_mismatch(model, ids, ref, res.token_ids)
-    print(json.dumps(payload))
+    if args.json:
+        print(json.dumps(payload))
+        return 0
+    print(res.text)
+    if args.verify:  # the text stays alone on stdout; the verdict goes to stderr
+        if payload["lossless"]:
+            print(f"goose: verify: the {len(res.token_ids)} tokens are identical to ar's", file=sys.stderr)
+        else:
+            mm = payload["mismatch"]
+            print(f"goose: verify: differs from ar at token {mm['position']} ({mm['token']} instead of "
+                  f"{mm['ar_token']}; logits {mm.get('logit')} vs {mm.get('ar_logit')})", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -221,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
     g.add_argument("--verify", action="store_true",
-                   help="with --json: also run ar (same sampling options and seed) and report token identity")
+                   help="also run ar (same sampling options and seed) and report token identity (in the JSON "
+                        "with --json, else on stderr; exit status 1 when they differ)")
     g.add_argument("--stream", action="store_true", help="print the text as it is accepted")
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
@@ -256,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except GooseError as exc:
-        print(f"goose: error: {exc}", file=sys.stderr)
+        print(f"goose: error: {' '.join(str(exc).split())}", file=sys.stderr)  # always one line
         return 2
     except KeyboardInterrupt:
         print("goose: interrupted", file=sys.stderr)

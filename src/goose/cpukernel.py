@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
+import operator
 import os
 import platform
 import shutil
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from . import cachefs
 from .model import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -98,8 +101,11 @@ class CpuKernels:
     def pack(weight: torch.Tensor) -> torch.Tensor:
         """``[N, K]`` float32 -> panels of 16 columns, each stored as two halves of 8: ``[ceil(N / 16), 2, K, 8]``
         (rows past N are zero)."""
+        _check(weight, "pack: weight", dims=2)
         n, k = weight.shape
-        w = weight.detach().float().contiguous()
+        if n < 1 or k < 1:
+            raise ValueError(f"pack: weight must have rows and columns, not shape {list(weight.shape)}")
+        w = weight.detach().contiguous()
         if n % PANEL:
             w = torch.cat([w, w.new_zeros(PANEL - n % PANEL, k)])
         return w.view(-1, 2, PANEL // 2, k).transpose(2, 3).contiguous()
@@ -109,7 +115,10 @@ class CpuKernels:
         """``[N]`` -> zero-padded to a whole number of panels (the kernel reads 16 at a time)."""
         if bias is None:
             return None
-        b = bias.detach().float().contiguous()
+        _check(bias, "pack_bias: bias", dims=1)
+        if bias.shape[0] != n:
+            raise ValueError(f"pack_bias: bias has {bias.shape[0]} entries, the layer {n} outputs")
+        b = bias.detach().contiguous()
         return torch.cat([b, b.new_zeros((-n) % PANEL)]) if n % PANEL else b
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None, *,
@@ -119,18 +128,36 @@ class CpuKernels:
 
         ``in(x)`` is x itself; with ``norm=(weight [K], eps)`` the RMSNorm of x; with ``gated`` the
         activation ``silu(x[:, :K]) * x[:, K:]`` of x ``[M, 2K]``. With ``out`` (``[M, N]``, contiguous)
-        the result is added to it in place (a residual connection) and ``out`` is returned."""
+        the result is added to it in place (a residual connection) and ``out`` is returned.
+
+        Every argument is checked here (dtype float32, CPU, shapes, and contiguity of the packed weight,
+        bias and ``out``; x is made contiguous): the kernel itself trusts its pointers."""
+        _check(x, "linear: x", dims=2)
+        _check(packed, "linear: packed weight", dims=4, contiguous=True)
+        panels, two, k_in, half = packed.shape
+        if two != 2 or half != PANEL // 2:
+            raise ValueError(f"linear: packed weight has shape {list(packed.shape)}, not [N/16, 2, K, 8] (use pack)")
+        if not isinstance(n, int) or isinstance(n, bool) or not (panels - 1) * PANEL < n <= panels * PANEL:
+            raise ValueError(f"linear: n = {n} outputs do not fit a packed weight of {panels} panels of {PANEL}")
         x = x.contiguous()
         m, k = x.shape
-        k_in = packed.shape[2]
         if k != (2 * k_in if gated else k_in):
             raise ValueError(f"input has {k} features, the weight {k_in}" + (" (x2 when gated)" if gated else ""))
-        if norm is not None and (gated or norm[0].shape != (k_in,)):
-            raise ValueError("norm needs an ungated input and a [K] weight")
+        if bias is not None:
+            _check(bias, "linear: bias", dims=1, contiguous=True)
+            if bias.shape[0] != panels * PANEL:
+                raise ValueError(f"linear: bias has {bias.shape[0]} entries, not {panels * PANEL} (use pack_bias)")
+        if norm is not None:
+            if gated or not isinstance(norm, (tuple, list)) or len(norm) != 2:
+                raise ValueError("norm needs an ungated input and a (weight [K], eps) pair")
+            _check(norm[0], "linear: norm weight", dims=1)
+            if norm[0].shape != (k_in,):
+                raise ValueError("norm needs an ungated input and a [K] weight")
         if out is None:
             y = torch.empty(m, n, dtype=torch.float32)
-        elif out.shape != (m, n) or not out.is_contiguous() or out.dtype != torch.float32:
-            raise ValueError(f"out must be a contiguous float32 [{m}, {n}] tensor")
+        elif (not isinstance(out, torch.Tensor) or out.shape != (m, n) or not out.is_contiguous()
+              or out.dtype != torch.float32 or out.device.type != "cpu"):
+            raise ValueError(f"out must be a contiguous float32 CPU [{m}, {n}] tensor")
         else:
             y = out
         nw, eps = (None, 0.0) if norm is None else (norm[0].contiguous(), float(norm[1]))
@@ -143,10 +170,11 @@ class CpuKernels:
         descending order, ties to the lower index: ``(values [n, k], indices [n, k] int64)``, as
         ``torch.topk`` (whose tie order is unspecified) but one vectorized pass per row (~10x faster for
         a 49k vocabulary here). NaNs are never taken."""
-        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1:
+        _check(x, "topk: x", dims=2)
+        if x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < x.shape[1]):
             raise ValueError("topk needs a float32 CPU [n, V] tensor with unit stride along rows")
         n, v = x.shape
-        if not 1 <= k <= v:
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= v:
             raise ValueError(f"k = {k} must be in 1..{v}")
         vals = torch.empty(n, k, dtype=torch.float32)
         ids = torch.empty(n, k, dtype=torch.int64)
@@ -171,8 +199,23 @@ class AttentionStep:
 
     def __init__(self, fn, n_heads: int, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, prefix: int,
                  allowed: torch.Tensor | None, scale: float) -> None:
+        for name, t, dims in (("cos", cos, 2), ("sin", sin, 2), ("cache", cache, 5)):
+            _check(t, f"attention: {name}", dims=dims)
+        if not cache.is_contiguous():
+            raise ValueError("attention needs float32 CPU tensors and a contiguous cache")
+        if allowed is not None:
+            if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool or allowed.device.type != "cpu":
+                raise ValueError("attention: allowed must be a bool CPU [n, n] tensor")
+        try:
+            n_heads, prefix, scale = operator.index(n_heads), operator.index(prefix), float(scale)
+        except TypeError:
+            raise ValueError("attention: n_heads and prefix must be integers, scale a number") from None
+        if n_heads < 1 or not math.isfinite(scale):
+            raise ValueError(f"attention: n_heads = {n_heads} must be >= 1 and scale = {scale} finite")
         n, d = cos.shape
         layers, two, kh, cap, d_cache = cache.shape
+        if kh < 1 or d < 8 or d % 8:
+            raise ValueError(f"attention: head dim {d} must be a multiple of 8, with at least one kv head")
         if (two != 2 or d_cache != d or n_heads % kh or sin.shape != cos.shape or prefix < 0 or prefix + n > cap
                 or (allowed is not None and allowed.shape != (n, n))):
             raise ValueError("attention: inconsistent shapes")
@@ -195,12 +238,27 @@ class AttentionStep:
     def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         if not 0 <= layer < self.layers:
             raise IndexError(f"layer {layer} of {self.layers}")
-        if qkv.shape != self._shape or not qkv.is_contiguous() or qkv.dtype != torch.float32:
-            raise ValueError(f"qkv must be a contiguous float32 {list(self._shape)} tensor")
+        if (not isinstance(qkv, torch.Tensor) or qkv.shape != self._shape or not qkv.is_contiguous()
+                or qkv.dtype != torch.float32 or qkv.device.type != "cpu"):
+            raise ValueError(f"qkv must be a contiguous float32 CPU {list(self._shape)} tensor")
         out = torch.empty(self._out, dtype=torch.float32)
         keys = self._cache.data_ptr() + layer * self._layer_bytes
         self._fn(qkv.data_ptr(), *self._args, keys, keys + self._half, *self._tail, out.data_ptr())
         return out
+
+
+def _check(t, what: str, dims: int, contiguous: bool = False) -> None:
+    """Raise ValueError unless `t` is a float32 CPU tensor of `dims` dimensions (and contiguous if asked)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what} must be a torch.Tensor, not {type(t).__name__}")
+    if t.dtype != torch.float32:
+        raise ValueError(f"{what} must be float32, not {t.dtype} (goose's CPU kernels are float32 only)")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what} must be on the CPU, not {t.device}")
+    if t.dim() != dims:
+        raise ValueError(f"{what} must have {dims} dimensions, not shape {list(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous")
 
 
 def unavailable_reason() -> str | None:
@@ -234,20 +292,35 @@ def _load() -> tuple[CpuKernels | None, str | None]:
         digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(FLAGS), cxx, version]).encode()).hexdigest()[:16]
         path = cache_root() / "kernels" / f"cpu_kernels-{digest}.so"
         if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.so")
-            done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
-                                  timeout=300)
-            if done.returncode != 0:
-                tmp.unlink(missing_ok=True)
-                return None, f"building {SOURCE.name} failed: {done.stderr.strip()[-500:]}"
-            os.replace(tmp, path)
+            failed = _build(cxx, path)
+            if failed:
+                return None, failed
         lib = ctypes.CDLL(str(path))
         if lib.goose_kernels_abi() != ABI:
             return None, f"{path} is not this version of the kernel"
         return CpuKernels(lib, path), None
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"building or loading {SOURCE.name} failed: {exc}"
+
+
+def _build(cxx: str, path: Path) -> str | None:
+    """Compile the source to `path`: under a lock (one build per machine at a time), into a temporary file
+    in the same folder that is renamed into place, so a killed build leaves no half-written library.
+    Returns why the build failed (None when it worked)."""
+    with cachefs.lock(path):
+        if path.is_file():  # built by another process meanwhile
+            return None
+        cachefs.clean_stale(path.parent)
+        tmp = cachefs.temp_path(path)
+        try:
+            done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                                  timeout=300)
+            if done.returncode != 0:
+                return f"building {SOURCE.name} failed: {done.stderr.strip()[-500:]}"
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return None
 
 
 def attention_reason(head_dim: int, dtype: torch.dtype) -> str | None:

@@ -3,8 +3,9 @@
 Layout of ``cache_root()/datastores/<name>/``: ``tokens.npy`` (int32: every document's token ids, each
 document followed by the separator -1), ``sa.npy`` (int32, or int64 past 2^31 tokens: start positions of
 all suffixes in lexicographic order; a separator or the end sorts below every token) and ``meta.json``
-(sources, documents, tokens, build seconds, tokenizer identity). Both arrays load with ``mmap_mode='r'``:
-opening a store reads nothing but the metadata.
+(sources, documents, tokens, build seconds, tokenizer identity, byte size of each array). Both arrays load
+with ``mmap_mode='r'``: opening a store reads nothing but the metadata, and checks sizes and shapes against
+it. A store is written to a new folder and renamed into place (`save`), never rewritten file by file.
 
 A lookup finds the longest suffix of the context (`max_suffix` down to `min_suffix` tokens) that occurs
 in the corpus, with two binary searches over the suffix array per length tried, and reads the tokens
@@ -28,6 +29,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from . import cachefs
 from .errors import GooseError
 from .model import cache_root
 
@@ -186,28 +188,81 @@ def from_token_ids(docs: Iterable[Sequence[int]], meta: dict | None = None) -> D
     return Datastore(tokens, suffix_array(tokens), info)
 
 
+ARRAYS = ("tokens.npy", "sa.npy")
+
+
 def save(store: Datastore, path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    np.save(path / "tokens.npy", store.tokens)
-    np.save(path / "sa.npy", store.sa)
-    (path / "meta.json").write_text(json.dumps(store.meta, indent=2), encoding="utf-8")
+    """Write the store to the folder `path`: into a new temporary folder beside it, then renamed into
+    place (under a lock), so an interrupted build leaves the previous store or none, never a mix. A
+    decoder that has the previous store memory-mapped keeps reading it (its files are unlinked, not
+    truncated). The byte size of each array is recorded in meta.json and checked by `load`."""
+    path = Path(path)
+    with cachefs.lock(path):
+        cachefs.clean_stale(path.parent)
+        tmp = cachefs.temp_path(path)
+        tmp.mkdir(parents=True)
+        try:
+            np.save(tmp / "tokens.npy", store.tokens)
+            np.save(tmp / "sa.npy", store.sa)
+            meta = {**store.meta, "files": {f: (tmp / f).stat().st_size for f in ARRAYS}}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+            for f in (*ARRAYS, "meta.json"):
+                with open(tmp / f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            cachefs.replace_dir(tmp, path)
+        finally:
+            cachefs.remove(tmp)
+    store.meta = meta
     store.path = path
     return path
 
 
 def load(name: str = DEFAULT_NAME, path: Path | None = None) -> Datastore:
-    """Open a saved store (memory-mapped); a clear error with the build command when it is missing."""
+    """Open a saved store (memory-mapped); a clear error with the build command when it is missing, and
+    a one-line error when it is damaged (unreadable metadata, wrong sizes, inconsistent arrays)."""
     path = path or store_dir(name)
+    rebuild = (f"build it with: goose datastore build --name {name} --source sharegpt --source python-stdlib "
+               f"[--model MODEL]")
     meta_file = path / "meta.json"
     if not meta_file.is_file() or not (path / "tokens.npy").is_file() or not (path / "sa.npy").is_file():
-        raise GooseError(f"no datastore '{name}' at {path}; build it with: goose datastore build --name {name} "
-                         f"--source sharegpt --source python-stdlib [--model MODEL]")
-    meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        raise GooseError(f"no datastore '{name}' at {path}; {rebuild}")
+
+    def damaged(why: str) -> GooseError:
+        return GooseError(f"datastore '{name}' at {path} is damaged ({why}); re{rebuild}")
+
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise damaged("meta.json is not valid JSON") from None
+    except OSError as exc:
+        raise damaged(f"cannot read meta.json: {exc.strerror}") from None
+    if not isinstance(meta, dict):
+        raise damaged("meta.json is not a JSON object")
     if meta.get("format") != FORMAT:
         raise GooseError(f"datastore at {path} has format {meta.get('format')}, not {FORMAT}; rebuild it")
-    # plain ndarray views of the maps: same pages, without np.memmap's per-slice overhead
-    tokens = np.load(path / "tokens.npy", mmap_mode="r").view(np.ndarray)
-    sa = np.load(path / "sa.npy", mmap_mode="r").view(np.ndarray)
+    files = meta.get("files")
+    if files is not None:
+        if not isinstance(files, dict):
+            raise damaged("meta.json: 'files' is not an object")
+        for f in ARRAYS:
+            size = (path / f).stat().st_size
+            if files.get(f) != size:
+                raise damaged(f"{f} holds {size} bytes, meta.json says {files.get(f)}")
+    try:
+        # plain ndarray views of the maps: same pages, without np.memmap's per-slice overhead
+        tokens = np.load(path / "tokens.npy", mmap_mode="r").view(np.ndarray)
+        sa = np.load(path / "sa.npy", mmap_mode="r").view(np.ndarray)
+    except (ValueError, OSError, EOFError) as exc:
+        raise damaged(f"unreadable array: {' '.join(str(exc).split())}") from None
+    if tokens.ndim != 1 or tokens.dtype != np.int32:
+        raise damaged(f"tokens.npy is {tokens.dtype} of shape {tokens.shape}, not a 1-D int32 array")
+    if sa.ndim != 1 or sa.dtype not in (np.int32, np.int64) or len(sa) != len(tokens):
+        raise damaged(f"sa.npy is {sa.dtype} of shape {sa.shape}, not 1-D integers of {len(tokens)} entries")
+    docs, count = meta.get("docs"), meta.get("tokens")
+    if not isinstance(docs, int) or not isinstance(count, int) or docs + count != len(tokens):
+        raise damaged(f"meta.json counts {docs} documents and {count} tokens, tokens.npy holds {len(tokens)} entries")
+    if len(tokens) and tokens[-1] != SEP:
+        raise damaged("tokens.npy does not end with a document separator")
     return Datastore(tokens, sa, meta, path)
 
 

@@ -3,23 +3,29 @@ directory, or a GGUF file.
 
 GGUF weights are dequantized once and cached as safetensors under the user cache directory
 (``$XDG_CACHE_HOME/goose/models``, default ``~/.cache/goose/models``), so later loads take about a second.
+A GGUF file's copy is named by the sha256 of its content (hashed once per path, size and mtime, and
+recorded beside the copy in ``goose-source.json``), so two different files with one name never share a
+copy. Copies are written atomically under a lock (`cachefs`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from . import cachefs
 from .errors import GooseError
 from .forward import SUPPORTED_ATTENTION
 
+SOURCE_RECORD = "goose-source.json"  # beside a dequantized model: which GGUF (path, size, sha256) it came from
+HASH_MEMO = "gguf-sha256.json"  # path|size|mtime -> sha256, so a GGUF is hashed once
 
 
 @dataclass(frozen=True)
@@ -94,39 +100,105 @@ def packaged_gguf(name: str, workdir: Path) -> Path:
         raise GooseError(f"{what}: cannot assemble the GGUF ({exc}); reinstall with: {spec.install}") from exc
 
 
-def _dequantized_dir(gguf, key: str) -> Path:
-    """Directory holding the dequantized safetensors copy of `gguf` (a path, or a function of a scratch
-    directory returning one), created on first use."""
-    target = cache_root() / "models" / key
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-gguf-"))
+def _complete(target: Path) -> bool:
+    """A cached model folder is used only when whole: its config parses and its weights are there (folders
+    are renamed into place once written, so this only fails for damage from outside goose)."""
     try:
-        _dequantize(gguf if isinstance(gguf, Path) else gguf(scratch), target)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        json.loads((target / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return any(target.glob("*.safetensors"))
+
+
+def _dequantized_dir(gguf, key: str, source: dict | None = None) -> Path:
+    """Directory holding the dequantized safetensors copy of `gguf` (a path, or a function of a scratch
+    directory returning one), created on first use: written to a temporary folder beside it and renamed
+    into place, under a lock, so concurrent first loads both succeed and a killed one leaves nothing used."""
+    target = cache_root() / "models" / key
+    if _complete(target):
+        return target
+    with cachefs.lock(target):
+        if _complete(target):  # another process made it while this one waited
+            return target
+        cachefs.clean_stale(target.parent)
+        scratch = cachefs.temp_path(target)
+        scratch.mkdir()
+        try:
+            tmp = scratch / "model"
+            _dequantize(gguf if isinstance(gguf, Path) else gguf(scratch), tmp)
+            (tmp / SOURCE_RECORD).write_text(json.dumps({"key": key, **(source or {})}, indent=2) + "\n",
+                                             encoding="utf-8")
+            cachefs.replace_dir(tmp, target)
+        finally:
+            cachefs.remove(scratch)
     return target
 
 
 def _dequantize(gguf: Path, target: Path) -> None:
+    """Write the dequantized float32 model and its tokenizer into the new folder `target`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for unreadable files
-        raise GooseError(f"cannot read GGUF file {gguf}: {exc}") from exc
+        raise GooseError(f"cannot read GGUF file {gguf}: {one_line(exc)}") from exc
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's content, computed once per (path, size, mtime) and remembered in the cache."""
+    st = path.stat()
+    memo_file = cache_root() / "models" / HASH_MEMO
+    entry = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    memo = _read_memo(memo_file)
+    if entry in memo:
+        return memo[entry]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    digest = h.hexdigest()
+    with cachefs.lock(memo_file):
+        memo = _read_memo(memo_file)
+        memo = {k: v for k, v in memo.items() if not k.startswith(f"{path}|")}  # older versions of this file
+        memo[entry] = digest
+        cachefs.write_text(memo_file, json.dumps(memo, indent=1) + "\n")
+    return digest
+
+
+def _read_memo(path: Path) -> dict:
     try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        memo = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in memo.items() if isinstance(v, str)} if isinstance(memo, dict) else {}
+
+
+def _check_config(path: Path) -> None:
+    """A Hugging Face model folder's config.json must be a JSON object naming a model type."""
+    cfg_file = path / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise GooseError(f"{cfg_file} is not UTF-8 text") from None
+    except ValueError as exc:
+        raise GooseError(f"{cfg_file} is not valid JSON ({one_line(exc)})") from None
+    except OSError as exc:
+        raise GooseError(f"cannot read {cfg_file}: {exc.strerror}") from None
+    if not isinstance(cfg, dict):
+        raise GooseError(f"{cfg_file} must hold a JSON object")
+    if not isinstance(cfg.get("model_type"), str) or not cfg["model_type"]:
+        raise GooseError(f"{cfg_file} names no 'model_type'; is {path} a Hugging Face model folder?")
 
 
 def model_dir(model: str) -> Path:
@@ -137,11 +209,14 @@ def model_dir(model: str) -> Path:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise GooseError(f"GGUF file not found: {path}")
-        st = path.stat()
-        return _dequantized_dir(path.resolve(), f"{path.stem}-{st.st_size}")
+        path = path.resolve()
+        digest = file_sha256(path)  # the content names the cached copy, not the file name
+        return _dequantized_dir(path, f"{path.stem}-{digest[:16]}",
+                                {"gguf": str(path), "bytes": path.stat().st_size, "sha256": digest})
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise GooseError(f"{path} is not a Hugging Face model directory (no config.json)")
+        _check_config(path)
         return path
     raise GooseError(
         f"unknown model '{model}': give one of {', '.join(PACKAGED)}, a Hugging Face model directory, "
@@ -158,8 +233,11 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_dir(model)
-    tok = AutoTokenizer.from_pretrained(path)
-    net = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype),
-                                               attn_implementation=attn_implementation)
+    dt = resolve_dtype(dtype)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        net = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn_implementation)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a damaged or foreign folder
+        raise GooseError(f"cannot load the model in {path}: {one_line(exc)}") from exc
     net.to(resolve_device(device)).eval()
     return net, tok

@@ -43,20 +43,22 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     """Shared by bench and demo: check the directory, load, run, then write summary, report and plots."""
     from ..model import load_model
 
+    import torch
+
+    from ..model import resolve_device
+
     out = Path(args.out)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # recorded in run.json as "threads"
     pinned = {"model": model_key(args.model), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-              "chat": args.chat, "sampling": sampling_options(args) or None}
+              "chat": args.chat, "sampling": sampling_options(args) or None, "threads": torch.get_num_threads(),
+              "device": str(resolve_device(args.device)), "software": store.software()}
     old = store.read_meta(out) if out.is_dir() else None
-    for key in store.PINNED:  # fail before the (slow) model load
-        if old is not None and old.get(key) != pinned[key]:
-            raise GooseError(f"{out} holds a run with {key}={old.get(key)!r}, not {pinned[key]!r}; "
-                             f"use another --out directory")
+    why = store.pinned_conflict(out, old, pinned)  # fail before the (slow) model load
+    if why:
+        raise GooseError(why)
     methods = with_reference(args.methods)
     settings = method_settings(methods)  # a missing datastore fails here, before the model load
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)  # recorded in run.json as "threads"
     t0 = time.perf_counter()
     model, tok = load_model(args.model, args.dtype, args.device)
     runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"],

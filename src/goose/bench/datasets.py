@@ -157,21 +157,30 @@ def read_jsonl(path: Path) -> list[Question]:
     if not path.is_file():
         raise GooseError(f"dataset file not found: {path}")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = _json_line(line, path, n)
-            qid = row.get("question_id", row.get("id"))
-            turns = row.get("turns")
-            if not isinstance(qid, (int, str)) or isinstance(qid, bool):
-                raise GooseError(f"{path} line {n}: needs an 'id' (or 'question_id'), a string or an integer")
-            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-                raise GooseError(f"{path} line {n}: 'turns' must be a non-empty list of non-empty strings")
-            category = row.get("category", "default")
-            if not isinstance(category, str) or not category:
-                raise GooseError(f"{path} line {n}: 'category' must be a non-empty string")
-            out.append(Question(qid, category, tuple(turns)))
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise GooseError(f"cannot read dataset file {path}: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise GooseError(f"{path} line {line}: not UTF-8 text (byte {exc.start}); a JSONL dataset must be UTF-8") \
+            from None
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        row = _json_line(line, path, n)
+        qid = row.get("question_id", row.get("id"))
+        turns = row.get("turns")
+        if not isinstance(qid, (int, str)) or isinstance(qid, bool):
+            raise GooseError(f"{path} line {n}: needs an 'id' (or 'question_id'), a string or an integer")
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise GooseError(f"{path} line {n}: 'turns' must be a non-empty list of non-empty strings")
+        category = row.get("category", "default")
+        if not isinstance(category, str) or not category:
+            raise GooseError(f"{path} line {n}: 'category' must be a non-empty string")
+        out.append(Question(qid, category, tuple(turns)))
     if not out:
         raise GooseError(f"{path} holds no questions")
     return out

@@ -80,8 +80,9 @@ def render(summary: dict, plots: list[Path]) -> str:
            f"- dataset: `{meta.get('dataset')}`; {summary['questions']} questions answered by every method; "
            f"max_new_tokens {meta.get('max_new_tokens')}; {'chat template' if meta.get('chat') else 'raw prompts'}; "
            f"{_decoding(meta)}, batch 1; repeats {meta.get('repeats', 1)} (median)",
-           f"- versions: goose {v.get('goose')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
-           f"python {v.get('python')}; commit `{meta.get('git_commit')}`"]
+           f"- versions: goose {(meta.get('software') or {}).get('goose') or v.get('goose')}, torch {v.get('torch')}, "
+           f"transformers {v.get('transformers')}, python {v.get('python')}; commit "
+           + ", ".join(f"`{c}`" for c in (meta.get("git_commits") or [meta.get("git_commit")]))]
     out += [f"- command: `{c}`" for c in meta.get("commands", [])]
     out += settings_lines(meta.get("method_settings") or {}, summary["methods"])
     if summary.get("left_out"):

@@ -2,11 +2,15 @@
 
 Rows are appended and flushed one question at a time, so an interrupted run keeps every finished
 question and a rerun skips them. A run directory belongs to one setting (model, dtype, max_new_tokens,
-chat mode): mixing settings would make its tables meaningless, so that is refused.
+chat mode, sampling, and what its timings depend on: threads, device, goose's source and the versions of
+torch and transformers): mixing settings would make its tables meaningless, so a resume with another
+one is refused. A resume keeps run.json's record of the first run and adds its own command.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import platform
 import subprocess
@@ -17,8 +21,52 @@ import torch
 
 from ..errors import GooseError
 
-# Settings that change the generated tokens: a run directory holds one value of each.
-PINNED = ("model", "dtype", "max_new_tokens", "chat", "sampling")
+# Settings a run directory holds one value of: those that change the generated tokens, and those that
+# change the timings (threads, device, the code and its main libraries), so one table never mixes them.
+PINNED = ("model", "dtype", "max_new_tokens", "chat", "sampling", "threads", "device", "software")
+
+
+def software() -> dict:
+    """What the timings depend on in software: goose's version and a hash of its source files (so an edit
+    counts, in a checkout or an installed copy), torch and transformers."""
+    import transformers
+
+    from .. import __version__
+
+    return {"goose": f"{__version__}+{source_hash()}", "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """sha256 (first 12 hex digits) of goose's own source files (.py and .cpp), read once per process."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.suffix in (".py", ".cpp") and "__pycache__" not in p.parts:
+            h.update(str(p.relative_to(root)).encode() + b"\0")
+            h.update(p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def pinned_conflict(out: Path, old: dict | None, new: dict) -> str | None:
+    """Why the run in `out` (its run.json `old`) cannot be resumed with the settings `new` (None if it can)."""
+    if old is None:
+        return None
+    for key in PINNED:
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if a is None and key in ("threads", "device", "software"):
+            return (f"{out} was recorded without its {key}, so it cannot be told whether the timings "
+                    f"would match; use another --out directory")
+        if isinstance(a, dict) and isinstance(b, dict):
+            diff = ", ".join(f"{k} {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+                             if a.get(k) != b.get(k))
+            return (f"{out} holds a run made with other {key} ({diff}); its timings would not be comparable: "
+                    f"use another --out directory")
+        return f"{out} holds a run with {key}={a!r}, not {b!r}; use another --out directory"
+    return None
 
 
 def answers_dir(out: Path) -> Path:
@@ -85,12 +133,17 @@ def open_run(out: Path, meta: dict) -> dict:
     if old is None and answers_dir(out).is_dir() and any(answers_dir(out).glob("*.jsonl")):
         raise GooseError(f"{out} holds answers but no run.json; use another --out directory")
     if old is not None:
-        for key in PINNED:
-            if old.get(key) != meta.get(key):
-                raise GooseError(f"{out} holds a run with {key}={old.get(key)!r}, not {meta.get(key)!r}; "
-                                 f"use another --out directory")
-        meta = {**old, **{k: v for k, v in meta.items() if k != "commands"},
-                "commands": old.get("commands", []) + meta.get("commands", [])}
+        why = pinned_conflict(out, old, meta)
+        if why:
+            raise GooseError(why)
+        # a resume keeps what the run was made with and adds its command (and commit, if another)
+        resumed = {k: meta[k] for k in ("methods", "method_settings", "repeats", "dataset") if k in meta}
+        commits = old.get("git_commits") or [old.get("git_commit")]
+        if meta.get("git_commit") not in commits:
+            commits = commits + [meta.get("git_commit")]
+        meta = {**meta, **old, **resumed, "commands": old.get("commands", []) + meta.get("commands", [])}
+        if commits != [old.get("git_commit")]:
+            meta["git_commits"] = commits
     out.mkdir(parents=True, exist_ok=True)
     for p in answers_dir(out).glob("*.jsonl"):
         read_answers(p, repair=True)
@@ -106,7 +159,7 @@ def environment(model_name: str, model, dtype: str, device: str, command: list[s
 
     return {
         "model": model_name, "dtype": dtype, "device": str(next(model.parameters()).device),
-        "requested_device": device, "threads": torch.get_num_threads(),
+        "requested_device": device, "threads": torch.get_num_threads(), "software": software(),
         "versions": {"goose": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                      "python": platform.python_version()},
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
