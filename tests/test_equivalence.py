@@ -63,7 +63,7 @@ def test_compacted_kv_equals_fresh_prefill(tiny_model, seed):
         fresh.reset()
         fresh(committed)
         assert fwd.length == fresh.length == len(committed)
-        for a, b in zip(fwd.cache.layers, fresh.cache.layers):
+        for a, b in zip(fwd.cache.dc.layers, fresh.cache.dc.layers):
             torch.testing.assert_close(a.keys, b.keys, rtol=1e-9, atol=1e-9)
             torch.testing.assert_close(a.values, b.values, rtol=1e-9, atol=1e-9)
 

@@ -194,12 +194,23 @@ def test_custom_generate_refuses_batches_and_padding(model):
                        custom_generate=goose.custom_generate)
 
 
-def test_decoders_of_one_model_share_its_forward_and_refuse_interleaving(worded):
+def test_interleaved_requests_on_one_model_each_decode_on_their_own_cache(worded):
+    """A paused stream, other decoders of the same model (one of them measuring its cost curve), a second
+    stream of the same decoder and custom_generate in between: every output equals its request run alone."""
     model, tok = worded
     a, b = Decoder(model, tok, "ar"), Decoder(model, tok, "pld")
-    assert a.forward is b.forward
-    stream = iter(a.stream("one two three one two three", 20))
-    next(stream)
-    b.generate("something else", 5)  # reuses the shared KV cache
-    with pytest.raises(GooseError, match="another request on the same model"):
-        list(stream)
+    assert a.forward is b.forward  # the packed weights are shared, the caches are not
+    prompts = ["one two three one two three", "something else", "three two one"]
+    alone = [a.generate(p, 20).token_ids for p in prompts]
+    streams = [a.stream(prompts[0], 20), a.stream(prompts[2], 20)]
+    its = [iter(s) for s in streams]
+    first = [next(it) for it in its]
+    assert b.generate(prompts[1], 20).token_ids == alone[1]
+    Decoder(model, tok, "goose", cost=None)  # builds (measures or loads) a cost curve on the shared forward
+    ids = torch.tensor([tok(prompts[1])["input_ids"]])
+    hub = model.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=goose.custom_generate,
+                         max_new_tokens=20, do_sample=False, goose_method="ar")
+    assert hub[0, ids.shape[1]:].tolist() == alone[1]
+    texts = [f + "".join(it) for f, it in zip(first, its)]
+    assert [s.result.token_ids for s in streams] == [alone[0], alone[2]]
+    assert texts == [s.result.text for s in streams]

@@ -169,11 +169,11 @@ def test_keep_identity_path_is_truncation(llama64):
     lean = LeanForward(llama64)
     lean.reset()
     lean(list(range(10)))
-    before = lean.kv[:, :, :, :10].clone()
+    before = lean.cache.kv[:, :, :, :10].clone()
     lean(list(range(20, 25)))
     lean.keep([0, 1, 2])
     assert lean.length == 13
-    assert torch.equal(lean.kv[:, :, :, :10], before)
+    assert torch.equal(lean.cache.kv[:, :, :, :10], before)
 
 
 # ---- (2) every tree node equals a plain forward over its root path ---------------------------------------

@@ -2,11 +2,12 @@
 
 from .config import DecodeConfig, GooseConfig
 from .decoding import Decoder, GenerationResult, generate
+from .engine.scheduler import Engine, Request
 from .errors import GooseError
 from .hf import HUB_ENTRY, custom_generate
 from .methods import METHODS
 from .model import DEFAULT_MODEL, load_model
 
-__all__ = ["Decoder", "GenerationResult", "generate", "GooseConfig", "DecodeConfig", "GooseError", "METHODS",
+__all__ = ["Decoder", "Engine", "Request", "GenerationResult", "generate", "GooseConfig", "DecodeConfig", "GooseError", "METHODS",
            "DEFAULT_MODEL", "load_model", "custom_generate", "HUB_ENTRY"]
 __version__ = "0.1.0"

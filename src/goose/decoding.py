@@ -19,14 +19,14 @@ from dataclasses import dataclass, fields
 import torch
 
 from .config import DecodeConfig, GooseConfig
-from .costmodel import CostCurve
+from .costmodel import BatchCostCurve, CostCurve
+from .engine.step import Slot, step
 from .errors import GooseError
 from .forward import HFForward
 from .lean import LeanForward
 from .lean import supports as lean_supports
 from .methods import Method, make_method
 from .stats import Stats
-from .tree_tensors import ancestor_mask, is_chain, tree_depths
 from .sampling import Chooser
 
 
@@ -63,34 +63,74 @@ def context_limit(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
-class _StageClock:
-    """Adds the milliseconds since the previous call to `stages[name]` (per-stage step profile)."""
-
-    def __init__(self, stages: dict[str, float]) -> None:
-        self.stages = stages
-        self.last = time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self.stages[name] = self.stages.get(name, 0.0) + (now - self.last) * 1e3
-        self.last = now
-
-
 _SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def default_forward(model):
     """The fast Llama-family forward where it applies, else the generic Hugging Face one.
 
-    A LeanForward (prepacked weight copies and a static KV cache) is made once per model and shared by all
-    its Decoders: requests on one model run one at a time, and a request interrupted by another one on the
-    same model stops with a clear error instead of reading the other's cache."""
+    A LeanForward's packed weight copies are made once per model and shared by every Decoder and Engine of
+    the model;
+    each request decodes on a KV cache of its own (`forward.new_cache()`), so requests never see each
+    other's state. When the model's weights changed since they were packed (`forward.stale()`), a new
+    forward is built: nothing decodes with old weights."""
     if not lean_supports(model):
         return HFForward(model)
     fwd = _SHARED.get(model)
-    if fwd is None:
+    if fwd is None or fwd.stale():
         fwd = _SHARED[model] = LeanForward(model)
     return fwd
+
+
+def encode(tokenizer, prompt: str, chat: bool = False) -> list[int]:
+    """Token ids of a text prompt; with `chat`, of a one-message user conversation in the tokenizer's chat
+    template, ready for the assistant's answer."""
+    if tokenizer is None:
+        raise GooseError("a tokenizer is needed to encode text prompts")
+    if not prompt.strip():
+        raise GooseError("the prompt is empty")
+    if chat:
+        return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+    return tokenizer(prompt)["input_ids"]
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation (``[{"role": ..., "content": ...}, ...]``) in the tokenizer's chat template,
+    ready for the assistant's answer."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise GooseError("--chat needs a tokenizer with a chat template, and this one has none")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def decode_config(options: dict) -> DecodeConfig:
+    """Per-request options (DecodeConfig fields) checked and parsed."""
+    names = [f.name for f in fields(DecodeConfig)]
+    unknown = set(options) - set(names)
+    if unknown:
+        raise GooseError(f"unknown option(s) {', '.join(sorted(unknown))}; the options are the DecodeConfig "
+                         f"fields: {', '.join(names)}")
+    return DecodeConfig(**options)
+
+
+def text_pieces(blocks, decode):
+    """Text pieces for token blocks as they come: each piece is the new suffix of ``decode(all tokens so far)``;
+    a piece is held back while the text ends inside a multi-byte character. The pieces concatenate to the
+    decoded text of all tokens. Returns (as the generator's value) the tokens and that text."""
+    out: list[int] = []
+    shown = ""
+    for block in blocks:
+        out.extend(block)
+        text = decode(out)
+        if not text.endswith("\ufffd") and text.startswith(shown) and len(text) > len(shown):
+            yield text[len(shown):]
+            shown = text
+    text = decode(out)
+    if text != shown and text.startswith(shown):
+        yield text[len(shown):]
+    return out, text
 
 
 class Decoder:
@@ -102,33 +142,30 @@ class Decoder:
         self.tokenizer = tokenizer
         vocab = model.get_output_embeddings().weight.shape[0]
         self.method = method if isinstance(method, Method) else make_method(method, vocab, config, cost)
+        self._own_forward = forward is None
         self.forward = forward if forward is not None else default_forward(model)
         self.method.prepare(model, self.forward, tokenizer)
         self.eos = eos_ids(model, tokenizer)
         self.device = next(model.parameters()).device
+        self._live = 0  # requests of this decoder being decoded (paused streams included)
+
+    def _fresh_forward(self):
+        """The forward, checked against the model's current weights: a forward this decoder chose is rebuilt
+        after the weights change; one the caller passed in is refused (it holds copies of old weights)."""
+        stale = getattr(self.forward, "stale", None)
+        if stale is not None and stale():
+            if not self._own_forward:
+                raise GooseError("the model's weights changed since this forward packed them: build a new forward "
+                                 "(or let the Decoder choose one) to decode with the current weights")
+            self.forward = default_forward(self.model)
+        return self.forward
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        if self.tokenizer is None:
-            raise GooseError("a tokenizer is needed to encode text prompts")
-        if not prompt.strip():
-            raise GooseError("the prompt is empty")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise GooseError("--chat needs a tokenizer with a chat template, and this one has none")
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return self.tokenizer(prompt)["input_ids"]
+        return encode(self.tokenizer, prompt, chat)
 
     def _request(self, prompt: str | list[int], chat: bool, options: dict) -> tuple[list[int], DecodeConfig]:
-        unknown = set(options) - {f.name for f in fields(DecodeConfig)}
-        if unknown:
-            raise GooseError(f"unknown option(s) {', '.join(sorted(unknown))}; the options are the DecodeConfig "
-                             f"fields: {', '.join(f.name for f in fields(DecodeConfig))}")
         ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
-        return ids, DecodeConfig(**options)
+        return ids, decode_config(options)
 
     def _text(self, ids: list[int]) -> str | None:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
@@ -159,14 +196,6 @@ class Decoder:
         ids, cfg = self._request(prompt, chat, dict(options, max_new_tokens=max_new_tokens))
         return TextStream(self, ids, cfg)
 
-    def _check(self, prompt: list[int], cfg: DecodeConfig) -> None:
-        if not prompt:
-            raise GooseError("the prompt is empty")
-        limit = context_limit(self.model)
-        if limit is not None and len(prompt) + cfg.max_new_tokens > limit:
-            raise GooseError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) exceeds "
-                             f"the model's context of {limit} tokens")
-
     def generate_ids(self, prompt: list[int], cfg: DecodeConfig = DecodeConfig(), chooser: Chooser | None = None,
                      stop=None, on_tokens=None, eos: set[int] | None = None) -> tuple[list[int], Stats]:
         """Token ids in, generated token ids and stats out.
@@ -185,78 +214,25 @@ class Decoder:
                 on_tokens(block)
         return out, stats
 
-    @torch.inference_mode()
     def _decode(self, prompt: list[int], cfg: DecodeConfig, chooser: Chooser, stop, stats: Stats, eos: set[int]):
-        """The step loop; yields each committed block of tokens and fills `stats`."""
-        self._check(prompt, cfg)
-        fwd, method = self.forward, self.method
-        t0 = time.perf_counter()
-        fwd.reset()
-        fwd.owner = owner = object()  # this request's claim on the (possibly shared) forward and its cache
-        method.start()
-        prev = -1
-        tail = len(prompt) if method.prefill_harvest is None else method.prefill_harvest
-        for s in range(0, len(prompt), cfg.prefill_chunk):  # prefill, harvesting the last `tail` positions
-            chunk = prompt[s : s + cfg.prefill_chunk]
-            prevs = [prev] + chunk[:-1]
-            k = min(len(chunk), max(0, s + len(chunk) - (len(prompt) - tail)))  # harvested positions here
-            logits = fwd(chunk, keep_last=max(k, 1))  # [max(k, 1), vocab]
-            if k:
-                method.harvest(chunk[-k:], prevs[-k:], logits[-k:])
-            prev = chunk[-1]
-        stats.forward_calls = 1
-        out: list[int] = []
-
-        def commit(new: list[int]) -> bool:
-            """Append `new`, cut at max_new_tokens, a stop token or `stop`; True when generation is over."""
-            new = new[: cfg.max_new_tokens - len(out)]
-            done = len(out) + len(new) >= cfg.max_new_tokens
-            for i, t in enumerate(new):
-                if t in eos or (stop is not None and stop(out + new[: i + 1])):
-                    new, done = new[: i + 1], True
-                    break
-            out.extend(new)
-            stats.new_tokens = len(out)
-            stats.wall_time_s = time.perf_counter() - t0
-            return done
-
-        first = [chooser.first(logits[-1], prompt)]
-        done = commit(first)
-        yield first
-        method.begin(prompt + out)
-        limit = context_limit(self.model)
-        clock = _StageClock(stats.stage_ms)
-        while not done:
-            if fwd.owner is not owner:
-                raise GooseError("another request on the same model ran while this one was paused; "
-                                 "finish (or drop) one stream before starting the next")
-            anchor = out[-1]
-            prev_anchor = out[-2] if len(out) > 1 else prompt[-1]
-            tree = method.draft(anchor, prev_anchor)  # 1. draft + build
-            if limit is not None:
-                tree = tree.within_depth(limit - 1 - fwd.length)
-            clock("draft")
-            tokens = tree.all_tokens  # tree nodes, then any unverified extras (lookahead window)
-            tree_args = () if len(tokens) == 1 or is_chain(tree) else (tree_depths(tree), ancestor_mask(tree))
-            clock("tensorize")  # 2. tensorize (chains need no mask)
-            logits = fwd(tokens, *tree_args)  # 3. forward: [n, vocab]
-            clock("forward")
-            walk = chooser.walk(tree, logits, prompt + out)  # 4. verify
-            clock("verify")
-            fwd.keep(walk.path)  # 5. compact KV
-            clock("compact")
-            prevs = [prev_anchor] + [tokens[p] for p in tree.all_parents[1:]]
-            method.harvest(tokens, prevs, logits)  # 6. harvest
-            method.observe(tree, walk)
-            clock("harvest")
-            before = len(out)
-            done = commit([tree.tokens[i] for i in walk.path[1:]] + [walk.bonus])  # 7. commit
-            new = out[before:]
-            method.commit(new)
-            stats.record_step(tree, walk)
-            clock("commit")
-            yield new
-        stats.wall_time_s = time.perf_counter() - t0
+        """The step loop (`engine.step`) on a batch of one; yields each committed block of tokens and fills
+        `stats`. Every request decodes on a KV cache of its own; a request that starts while another one of
+        this decoder is paused (an unfinished stream) gets its own copy of the method's per-request state."""
+        fwd = self._fresh_forward()
+        method = self.method if not self._live else self.method.fork()
+        slot = Slot(list(prompt), cfg, method, fwd.new_cache(), eos, context_limit(self.model), chooser, stop, stats=stats)
+        cost = getattr(method, "cost", None)
+        cost = None if cost is None else BatchCostCurve.single(cost)
+        self._live += 1
+        try:
+            slot.begin()
+            while not slot.done:
+                step(fwd, [slot], cost)
+                if slot.new:
+                    yield slot.new
+        finally:
+            self._live -= 1
+        stats.wall_time_s = time.perf_counter() - slot.t0
 
 
 class TextStream:
@@ -269,19 +245,9 @@ class TextStream:
 
     def __iter__(self):
         dec = self.decoder
-        out: list[int] = []
         stats = Stats(prompt_tokens=len(self.prompt))
-        shown = ""
         chooser = Chooser.for_config(self.cfg, dec.device)
-        for block in dec._decode(self.prompt, self.cfg, chooser, None, stats, dec.eos):
-            out.extend(block)
-            text = dec._text(out)
-            if not text.endswith("\ufffd") and text.startswith(shown) and len(text) > len(shown):
-                yield text[len(shown):]
-                shown = text
-        text = dec._text(out)
-        if text != shown and text.startswith(shown):
-            yield text[len(shown):]
+        out, text = yield from text_pieces(dec._decode(self.prompt, self.cfg, chooser, None, stats, dec.eos), dec._text)
         self.result = GenerationResult(text, out, stats)
 
 

@@ -18,6 +18,7 @@ chunked attention...) and mixed models without that dict form are refused.
 from __future__ import annotations
 
 import inspect
+import itertools
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -142,8 +143,8 @@ class HFForward:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.cache = None
-        self._prefix = 0
+        self.fingerprint = weights_fingerprint(model)
+        self.cache = self.new_cache()  # the cache of the single-sequence API (reset / __call__ / keep)
         self.linears = None if kernel is False else self._kernel_linears(required=bool(kernel))
         self.backend = "hf+goose-kernel" if self.linears is not None else "hf"
 
@@ -177,13 +178,20 @@ class HFForward:
             return linears, None
         return None, "the model's logits changed with its linear layers on the kernel"
 
+    def new_cache(self) -> "HFCache":
+        """A KV cache of its own for one sequence (one per request: nothing is shared between caches)."""
+        return HFCache()
+
+    def stale(self) -> bool:
+        """True when the model's weights changed since this forward was built (its packed copies are old)."""
+        return self.linears is not None and weights_fingerprint(self.model) != self.fingerprint
+
     def reset(self) -> None:
-        self.cache = DynamicCache()  # every layer keeps every entry (see the module docstring)
-        self._prefix = 0
+        self.cache.reset()
 
     @property
     def length(self) -> int:
-        return cache_length(self.cache)
+        return self.cache.length
 
     def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
                  allowed: torch.Tensor | None = None, keep_last: int | None = None) -> torch.Tensor:
@@ -193,10 +201,22 @@ class HFForward:
         With `allowed` (``[n, n]`` ancestor mask) and `depths` (``[n]``) the tokens form a tree;
         without, they form a causal run.
         """
-        if self.cache is None:
-            self.reset()
-        p = self.length
+        return self._one(self.cache, tokens, depths, allowed, keep_last)
+
+    def run(self, segments) -> list[torch.Tensor]:
+        """Several sequences' forwards (`lean.Segment`s), one after another: a Hugging Face model takes one
+        cache per call, and padding a batch of trees would change nothing of what is computed per row."""
+        if len({id(s.cache) for s in segments}) != len(segments):
+            raise GooseError("a forward cannot append to one cache twice")
+        return [self._one(s.cache, s.tokens, s.depths, s.allowed, s.keep_last) for s in segments]
+
+    def _one(self, cache: "HFCache", tokens, depths, allowed, keep_last) -> torch.Tensor:
+        if cache.dc is None:
+            cache.reset()
+        p = cache.length
         n = len(tokens)
+        if n == 0:
+            raise GooseError("no tokens to forward")
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
         if allowed is None and self.window is None:  # causal run, full layers only: the model's own mask
             pos = torch.arange(p, p + n, device=self.device)[None]  # [1, n]
@@ -207,9 +227,9 @@ class HFForward:
             pos = (depths.to(self.device) + p)[None]  # [1, n]
             mask = self._masks(allowed, depths, p)
         keep = {"logits_to_keep": keep_last} if keep_last and self._keeps_logits else {}
-        with self.linears.active() if self.linears is not None else nullcontext():
-            out = self.model(ids, attention_mask=mask, position_ids=pos, cache=self.cache, use_cache=True, **keep)
-        self._prefix = p
+        with torch.inference_mode(), self.linears.active() if self.linears is not None else nullcontext():
+            out = self.model(ids, attention_mask=mask, position_ids=pos, cache=cache.dc, use_cache=True, **keep)
+        cache.prefix = p
         return out.logits[0, -keep_last:] if keep_last else out.logits[0]  # [n or keep_last, vocab]
 
     def _masks(self, allowed: torch.Tensor, depths: torch.Tensor, p: int):
@@ -223,4 +243,39 @@ class HFForward:
 
     def keep(self, path: list[int]) -> None:
         """Keep the prefix and the nodes `path` of the last call (in that order); drop the rest."""
-        keep_path(self.cache, self._prefix, path)
+        self.cache.keep(path)
+
+
+class HFCache:
+    """One sequence's Hugging Face cache (a bare `DynamicCache`, see the module docstring) and the length it
+    had before the last forward."""
+
+    def __init__(self) -> None:
+        self.dc = None
+        self.prefix = 0
+
+    def reset(self) -> None:
+        self.dc = DynamicCache()  # every layer keeps every entry
+        self.prefix = 0
+
+    @property
+    def length(self) -> int:
+        return cache_length(self.dc)
+
+    def keep(self, path: list[int]) -> None:
+        """Keep the prefix and the nodes `path` of the last call (in that order); drop the rest."""
+        keep_path(self.dc, self.prefix, path)
+
+
+def weights_fingerprint(model) -> tuple:
+    """Storage and in-place version of every parameter and buffer of `model`. It changes with any in-place
+    update (an optimizer step, ``load_state_dict``, a merged adapter: each bumps the tensor's version counter)
+    and with any replaced tensor, so a forward that copied or packed weights can tell they are stale."""
+    out = []
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor keeps no version counter (it cannot be updated in place)
+            version = -1
+        out.append((t.data_ptr(), version))
+    return tuple(out)

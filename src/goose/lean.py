@@ -46,6 +46,8 @@ the last call, in that order.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,7 +55,9 @@ from torch import nn
 from . import cpukernel
 from .cpukernel import CpuKernels
 from .errors import GooseError
-from .forward import active_sliding_window
+from .forward import active_sliding_window, weights_fingerprint
+from .quant import QuantEmbedding, QuantLinear, QuantWeight
+from .quant import cat as _cat_quant
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 INITIAL_CAPACITY = 512  # cache slots per layer before the first doubling
@@ -78,7 +82,8 @@ def unsupported_reason(model) -> str | None:
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(base, name):
             return f"model.model has no '{name}'"
-    if type(getattr(model, "lm_head", None)) is not nn.Linear or type(base.embed_tokens) is not nn.Embedding:
+    if (type(getattr(model, "lm_head", None)) not in (nn.Linear, QuantLinear)
+            or type(base.embed_tokens) not in (nn.Embedding, QuantEmbedding)):
         return "lm_head / embed_tokens are not plain nn.Linear / nn.Embedding"
     if getattr(cfg, "hidden_act", None) != "silu":
         return f"activation '{getattr(cfg, 'hidden_act', None)}' is not silu"
@@ -107,7 +112,7 @@ def unsupported_reason(model) -> str | None:
         if {n for n, _ in mlp.named_children()} != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
             return "MLP is not gate/up/down"
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if any(type(m) is not nn.Linear for m in linears):
+        if any(type(m) not in (nn.Linear, QuantLinear) for m in linears):
             return "projections are not plain nn.Linear (quantized?)"
         if getattr(attn, "sliding_window", None) is not None:
             return "sliding-window attention layers are not implemented"
@@ -149,6 +154,11 @@ class _Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, gemv: bool,
                  kernel: CpuKernels | None = None) -> None:
+        if isinstance(weight, QuantWeight):  # GGUF blocks (`goose.quant`): its own kernel, the same call shape
+            self.kernel, self.packed, self.out = weight.kernels, weight, weight.n
+            self.bias = CpuKernels.pack_bias(bias, self.out)
+            self.weight = self.wt = None
+            return
         self.weight = weight.detach().contiguous()  # [out, in]
         self.bias = None if bias is None else bias.detach().contiguous()  # [out]
         self.out = self.weight.shape[0]
@@ -187,6 +197,14 @@ class _Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+def _cat_weights(linears: list[nn.Linear]) -> torch.Tensor | QuantWeight:
+    """The fused weight of `linears` (quantized ones fused in place: one copy of their blocks)."""
+    weights = [m.weight.detach() for m in linears]
+    if all(isinstance(w, QuantWeight) for w in weights):
+        return _cat_quant(weights)
+    return torch.cat([w.dequantize() if isinstance(w, QuantWeight) else w for w in weights])
+
+
 def _cat_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
     if all(m.bias is None for m in linears):
         return None
@@ -204,10 +222,10 @@ class _Layer:
         self.ln1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.ln2, self.eps2 = layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon
         qkv = [a.q_proj, a.k_proj, a.v_proj]
-        self.qkv = _Linear(torch.cat([p.weight.detach() for p in qkv]), _cat_bias(qkv), prepack, gemv, kernel)  # [(H+2K)D, hid]
+        self.qkv = _Linear(_cat_weights(qkv), _cat_bias(qkv), prepack, gemv, kernel)  # [(H+2K)D, hid]
         self.o = _Linear(a.o_proj.weight, a.o_proj.bias, prepack, gemv, kernel)  # [hid, H*D]
         gu = [m.gate_proj, m.up_proj]
-        self.gate_up = _Linear(torch.cat([p.weight.detach() for p in gu]), _cat_bias(gu), prepack, gemv, kernel)  # [2I, hid]
+        self.gate_up = _Linear(_cat_weights(gu), _cat_bias(gu), prepack, gemv, kernel)  # [2I, hid]
         self.down = _Linear(m.down_proj.weight, m.down_proj.bias, prepack, gemv, kernel)  # [hid, I]
         self.qk_norm = None  # qwen3: (q weight [D], q eps, k weight [D], k eps)
         if hasattr(a, "q_norm"):
@@ -230,6 +248,8 @@ class LeanForward:
         if reason is not None:
             raise GooseError(f"LeanForward does not support this model: {reason}; use HFForward")
         cfg, base = model.config, model.model
+        self._model = weakref.ref(model)  # (a weak reference: a per-model registry may hold this forward)
+        self.fingerprint = weights_fingerprint(model)  # the weights this forward copied and packed
         w = base.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
@@ -263,96 +283,120 @@ class LeanForward:
         # which kernels run the weight multiplies and attention (part of the cost-curve cache key)
         self.backend = ("goose-avx2" if kern is not None else "onednn" if self.prepacked else "torch") + (
             "+gemv" if self.gemv else "") + ("+attention" if self.attn_kernel is not None else "")
-        self.kv = None  # [layers, 2, K, capacity, D]
-        self._len = 0  # filled cache entries
-        self._prefix = 0  # cache length before the last call
+        quantized = sorted({lin.packed.fmt for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)
+                            if isinstance(lin.packed, QuantWeight)})
+        if quantized:  # GGUF blocks on goose's quantized kernels (`goose.quant`)
+            self.backend += f"+gguf-{'-'.join(quantized)}-{self.layers[0].qkv.kernel.variant}"
+        self.cache = self.new_cache()  # the cache of the single-sequence API (reset / __call__ / keep)
 
-    # ---- cache -------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    # ---- caches ------------------------------------------------------------------------------------
+    def new_cache(self) -> "LeanCache":
+        """A KV cache of its own for one sequence (one per request: nothing is shared between caches)."""
+        return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
+
+    def stale(self) -> bool:
+        """True when the model's weights changed since they were packed here (an optimizer step,
+        ``load_state_dict``, a merged adapter, a replaced parameter): this forward would decode old weights."""
+        model = self._model()
+        return model is None or weights_fingerprint(model) != self.fingerprint
+
     def reset(self) -> None:
-        if self.kv is None:
-            self.kv = torch.empty(len(self.layers), 2, self.n_kv, INITIAL_CAPACITY, self.head_dim,
-                                  dtype=self.dtype, device=self.device)
-        self._len = 0
-        self._prefix = 0
+        self.cache.reset()
 
     @property
     def length(self) -> int:
-        return self._len
+        return self.cache.length
 
-    def _reserve(self, total: int) -> None:
-        cap = self.kv.shape[3]
-        if total <= cap:
-            return
-        while cap < total:
-            cap *= 2
-        kv = self.kv.new_empty(*self.kv.shape[:3], cap, self.head_dim)  # [L, 2, K, cap, D]
-        kv[:, :, :, : self._len] = self.kv[:, :, :, : self._len]
-        self.kv = kv
-
-    @torch.inference_mode()
     def keep(self, path: list[int]) -> None:
         """Keep the prefix and the nodes `path` of the last call (in that order); drop the rest."""
-        p, m = self._prefix, len(path)
-        if path != list(range(m)):  # move accepted entries down; the in-place prefix never moves
-            src = torch.tensor(path, dtype=torch.long, device=self.device) + p  # [m]
-            self.kv[:, :, :, p : p + m] = self.kv.index_select(3, src)  # [L, 2, K, m, D]
-        self._len = p + m
+        self.cache.keep(path)
 
     # ---- forward -----------------------------------------------------------------------------------
-    @torch.inference_mode()
     def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
                  allowed: torch.Tensor | None = None, keep_last: int | None = None) -> torch.Tensor:
         """Logits ``[n, vocab]`` for `tokens` appended after the cache (a causal run, or a tree); only the
         last `keep_last` rows (>= 1) when given."""
-        if self.kv is None:
-            self.reset()
-        p, n = self._len, len(tokens)
-        if n == 0:
-            raise GooseError("no tokens to forward")
-        total = p + n
-        self._reserve(total)
-        H, K, D, G = self.n_heads, self.n_kv, self.head_dim, self.group
-        dev, dt = self.device, self.dtype
+        return self.run([Segment(self.cache, tokens, depths, allowed, keep_last)])[0]
 
-        # Shared by all layers: positions, rotary tables, mask.
-        ids = torch.tensor(tokens, dtype=torch.long, device=dev)  # [n]
-        if allowed is None:
-            pos = torch.arange(p, total, device=dev)  # [n]
+    @torch.inference_mode()
+    def run(self, segments: list["Segment"]) -> list[torch.Tensor]:
+        """One forward over several sequences, each appending its tokens to its own cache: the weight
+        multiplies run once over all segments' rows (goose's kernels are row-independent, so every row's
+        logits are bit-identical to a forward of its segment alone), attention runs per segment over its
+        own prefix, positions and tree mask. Returns each segment's logits (``[n_s or keep_last_s, vocab]``)."""
+        if not segments:
+            return []
+        if len({id(s.cache) for s in segments}) != len(segments):
+            raise GooseError("a forward cannot append to one cache twice")
+        dev = self.device
+        spans, ids, pos = [], [], []
+        row = 0
+        for s in segments:
+            n = len(s.tokens)
+            if n == 0:
+                raise GooseError("no tokens to forward")
+            c = s.cache
+            if c.kv is None:
+                c.reset()
+            c.reserve(c.length + n)
+            spans.append((row, row + n, c.length))
+            row += n
+            ids.extend(s.tokens)
+            pos.append(torch.arange(c.length, c.length + n) if s.allowed is None else s.depths.cpu() + c.length)
+        x = F.embedding(torch.tensor(ids, dtype=torch.long, device=dev), self.embed)  # [N, hid]
+        pos = torch.cat(pos).to(dev)  # [N]
+        cos, sin = self.rotary(x, pos[None])  # [1, N, D] each, model dtype
+        cos, sin = cos[0], sin[0]
+        if self.attn_kernel is not None:  # rotary, cache write and attention in one call per layer and segment
+            attends = [self.attn_kernel.attention_step(self.n_heads, cos[a:b], sin[a:b], s.cache.kv, p, s.allowed,
+                                                       self.scale) for s, (a, b, p) in zip(segments, spans)]
         else:
-            pos = depths.to(dev) + p  # [n]
-        x = F.embedding(ids, self.embed)  # [n, hid]
-        cos, sin = self.rotary(x, pos[None])  # [1, n, D] each, model dtype
-        kv = self.kv
-        if self.attn_kernel is not None:  # rotary, cache write and attention in one call per layer
-            attend = self.attn_kernel.attention_step(H, cos[0], sin[0], kv, p, allowed, self.scale)
-            for li, L in enumerate(self.layers):
-                qkv = L.qkv(x, norm=(L.ln1, L.eps1))  # [n, (H + 2K) * D], of RMSNorm(x)
-                if L.qk_norm is not None:  # per-head q/k RMSNorm, before RoPE
-                    qw, qe, kw, ke = L.qk_norm
-                    qk = qkv[:, : (H + K) * D].view(n, H + K, D)
-                    qkv[:, : (H + K) * D] = torch.cat([_rms(qk[:, :H], qw, qe), _rms(qk[:, H:], kw, ke)], 1).view(n, -1)
-                a = attend(li, qkv)  # [n, H*D]
-                self._mlp(L, a, x)
-            return self._finish(x, p, total, keep_last)
+            attends = [self._torch_attention(s, cos[a:b], sin[a:b], p) for s, (a, b, p) in zip(segments, spans)]
+        H, K, D = self.n_heads, self.n_kv, self.head_dim
+        one = len(segments) == 1
+        for li, L in enumerate(self.layers):
+            qkv = L.qkv(x, norm=(L.ln1, L.eps1))  # [N, (H + 2K) * D], of RMSNorm(x)
+            if L.qk_norm is not None:  # qwen3: per-head q/k RMSNorm, before RoPE
+                qw, qe, kw, ke = L.qk_norm
+                qk = qkv[:, : (H + K) * D].view(-1, H + K, D)
+                qkv[:, : (H + K) * D] = torch.cat([_rms(qk[:, :H], qw, qe), _rms(qk[:, H:], kw, ke)], 1).view(len(ids), -1)
+            if one:
+                a = attends[0](li, qkv)  # [N, H*D]
+            else:
+                a = torch.cat([att(li, qkv[r0:r1]) for att, (r0, r1, _) in zip(attends, spans)])  # [N, H*D]
+            self._mlp(L, a, x)
+        rows = []  # hidden rows whose logits are wanted
+        for s, (a, b, p) in zip(segments, spans):
+            s.cache.appended(p, b - a)
+            rows.append((b - s.keep_last, b) if s.keep_last else (a, b))
+        if one:
+            h = x[rows[0][0] : rows[0][1]]
+        else:
+            h = torch.cat([x[r0:r1] for r0, r1 in rows])
+        logits = self.lm_head(h, norm=(self.norm, self.norm_eps))  # [rows, vocab]
+        if one:
+            return [logits]
+        return list(logits.split([r1 - r0 for r0, r1 in rows]))
+
+    def _torch_attention(self, seg: "Segment", cos: torch.Tensor, sin: torch.Tensor, p: int):
+        """PyTorch's attention for one segment: a function (layer, qkv [n, (H + 2K) D]) -> [n, H D]."""
+        H, K, D, G = self.n_heads, self.n_kv, self.head_dim, self.group
+        n, total, dev, dt = len(seg.tokens), p + len(seg.tokens), self.device, self.dtype
         half = D // 2
-        cos = cos[0, :, None, :]  # [n, 1, D]
+        cos = cos[:, None, :]  # [n, 1, D]
         # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]
-        sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)[:, None, :]  # [n, 1, D]
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], -1)[:, None, :]  # [n, 1, D]
         mask = None
         if n > 1:
             ok = torch.ones(n, total, dtype=torch.bool, device=dev)  # [n, P + n]
-            ok[:, p:] = allowed.to(dev) if allowed is not None else torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+            ok[:, p:] = (seg.allowed.to(dev) if seg.allowed is not None
+                         else torch.ones(n, n, dtype=torch.bool, device=dev).tril())
             mask = torch.zeros(n, total, dtype=dt, device=dev).masked_fill_(~ok, torch.finfo(dt).min)
             mask = mask.repeat(G, 1)  # [G * n, P + n]: rows grouped like the queries
+        kv = seg.cache.kv
 
-        for li, L in enumerate(self.layers):
-            # --- attention ---
-            qkv = L.qkv(x, norm=(L.ln1, L.eps1))  # [n, (H + 2K) * D], of RMSNorm(x)
+        def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
             qk = qkv[:, : (H + K) * D].view(n, H + K, D)  # [n, H + K, D]
-            if L.qk_norm is not None:  # per-head q/k RMSNorm, before RoPE
-                qw, qe, kw, ke = L.qk_norm
-                qk = torch.cat([_rms(qk[:, :H], qw, qe), _rms(qk[:, H:], kw, ke)], 1)  # [n, H + K, D]
             qk = torch.addcmul(qk * cos, torch.roll(qk, half, -1), sin)  # RoPE on q and k at once
             kv[li, 0, :, p:total] = qk[:, H:].transpose(0, 1)  # [K, n, D]
             kv[li, 1, :, p:total] = qkv[:, (H + K) * D :].view(n, K, D).transpose(0, 1)  # [K, n, D]
@@ -368,11 +412,10 @@ class LeanForward:
                 s = torch.baddbmm(mask, q, keys.transpose(1, 2), alpha=self.scale)  # [K, G*n, P+n]
             a = torch.bmm(torch.softmax(s, -1), vals)  # [K, G*n, D]
             if n == 1:
-                a = a.view(1, H * D)  # [1, H*D]
-            else:
-                a = a.view(K, G, n, D).permute(2, 0, 1, 3).reshape(n, H * D)  # [n, H*D]
-            self._mlp(L, a, x)
-        return self._finish(x, p, total, keep_last)
+                return a.view(1, H * D)  # [1, H*D]
+            return a.view(K, G, n, D).permute(2, 0, 1, 3).reshape(n, H * D)  # [n, H*D]
+
+        return attend
 
     @staticmethod
     def _mlp(L: _Layer, a: torch.Tensor, x: torch.Tensor) -> None:
@@ -381,8 +424,63 @@ class LeanForward:
         gu = L.gate_up(x, norm=(L.ln2, L.eps2))  # [n, 2I], of RMSNorm(x)
         L.down(gu, gated=True, out=x)  # x += down(silu(gate) * up), in place
 
-    def _finish(self, x: torch.Tensor, p: int, total: int, keep_last: int | None) -> torch.Tensor:
-        self._prefix, self._len = p, total
-        if keep_last:
-            x = x[-keep_last:]  # [keep_last, hid]
-        return self.lm_head(x, norm=(self.norm, self.norm_eps))  # [n or keep_last, vocab]
+
+class Segment:
+    """One sequence's part of a forward: `tokens` appended to `cache` as a causal run, or as a tree
+    (``allowed [n, n]`` ancestor mask and ``depths [n]``); only the last `keep_last` rows' logits when given."""
+
+    __slots__ = ("cache", "tokens", "depths", "allowed", "keep_last")
+
+    def __init__(self, cache, tokens: list[int], depths: torch.Tensor | None = None,
+                 allowed: torch.Tensor | None = None, keep_last: int | None = None) -> None:
+        self.cache, self.tokens, self.depths, self.allowed, self.keep_last = cache, tokens, depths, allowed, keep_last
+
+
+class LeanCache:
+    """One sequence's static KV cache ``[layers, 2, K, capacity, D]``, written in place and grown by doubling.
+
+    A forward appends n entries after the P cached ones; `keep(path)` keeps the prefix and the nodes `path`
+    of that call, in that order, moving only entries that are out of place (one `index_select` over all
+    layers)."""
+
+    def __init__(self, layers: int, n_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.shape = (layers, 2, n_kv, head_dim)
+        self.dtype, self.device = dtype, device
+        self.kv = None  # [layers, 2, K, capacity, D]
+        self._len = 0  # filled cache entries
+        self._prefix = 0  # cache length before the last call
+
+    @torch.inference_mode()
+    def reset(self) -> None:
+        if self.kv is None:
+            L, two, K, D = self.shape
+            self.kv = torch.empty(L, two, K, INITIAL_CAPACITY, D, dtype=self.dtype, device=self.device)
+        self._len = 0
+        self._prefix = 0
+
+    @property
+    def length(self) -> int:
+        return self._len
+
+    def reserve(self, total: int) -> None:
+        cap = self.kv.shape[3]
+        if total <= cap:
+            return
+        while cap < total:
+            cap *= 2
+        kv = self.kv.new_empty(*self.kv.shape[:3], cap, self.kv.shape[4])  # [L, 2, K, cap, D]
+        kv[:, :, :, : self._len] = self.kv[:, :, :, : self._len]
+        self.kv = kv
+
+    def appended(self, prefix: int, n: int) -> None:
+        """A forward wrote n entries after `prefix`."""
+        self._prefix, self._len = prefix, prefix + n
+
+    @torch.inference_mode()
+    def keep(self, path: list[int]) -> None:
+        """Keep the prefix and the nodes `path` of the last call (in that order); drop the rest."""
+        p, m = self._prefix, len(path)
+        if path != list(range(m)):  # move accepted entries down; the in-place prefix never moves
+            src = torch.tensor(path, dtype=torch.long, device=self.device) + p  # [m]
+            self.kv[:, :, :, p : p + m] = self.kv.index_select(3, src)  # [L, 2, K, m, D]
+        self._len = p + m

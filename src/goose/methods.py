@@ -7,6 +7,8 @@ position) and `commit` (tokens accepted). `observe` sees each verification resul
 
 from __future__ import annotations
 
+import copy
+
 from .acceptance import SHORT, AcceptanceModel, match_kind
 from .adjacency import AdjacencyTable
 from .baselines import build_chain, build_isotropic_tree, build_tr_tree, build_trie
@@ -18,7 +20,7 @@ from .errors import GooseError
 from .lookahead import JacobiWindow, NgramPool
 from .ngram import NgramIndex
 from .sampling import argmax_rows
-from .selector import select
+from .selector import Candidates, allocate
 from .spine import build_spine_tree, tree_budget
 from .tree import SPINE, DraftTree
 from .verify import WalkResult
@@ -48,6 +50,11 @@ class Method:
 
     def commit(self, tokens: list[int]) -> None:
         pass
+
+    def fork(self) -> "Method":
+        """This method for one more concurrent request: the configuration and what is learned across requests
+        by design are shared, the per-request state (set by `begin`) is the new request's own."""
+        return copy.copy(self)
 
 
 class AR(Method):
@@ -87,6 +94,14 @@ class _AdjacencyMethod(Method):
     def start(self) -> None:
         if not self.adj.cfg.hot_start:  # before the prefill, so its harvest is kept
             self.adj.reset()
+
+    def fork(self) -> "Method":
+        """Without ``hot_start`` every request learns its own table (a shared one would be reset by each
+        arrival); with it, the table is shared by all requests, as across the requests of one decoder."""
+        twin = super().fork()
+        if not self.adj.cfg.hot_start:
+            twin.adj = AdjacencyTable(self.adj.vocab_size, self.adj.cfg)
+        return twin
 
     def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
         self.adj.harvest(tokens, prevs, logits)
@@ -188,17 +203,23 @@ class DeviceAwareGoose(GoosePaper):
         if not self.cfg.device_aware.carry_over:
             self.acc.reset()
 
-    def draft(self, anchor: int, prev: int | None) -> DraftTree:
+    def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None) -> Candidates:
+        """The candidate tree (cut at `max_depth`) and its nodes' path probabilities; the step loop chooses
+        the subtree to verify (`selector.allocate`, for one request the same rule as `draft`)."""
         first = self.index.propose()
         prop = self.index.propose_extended(self.cfg.ngram, first)
         self._kind = match_kind(first.consensus, len(first.chain))
         cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg)
+        if max_depth is not None:
+            cand = cand.within_depth(max_depth)
         if len(cand) == 1:
             cand.route = "ar"
-            return cand
+            return Candidates(cand, [1.0])
         q, _ = self.acc.node_probs(cand, self._kind)
-        tree, _ = select(cand, q, self.cost_table)
-        return tree
+        return Candidates(cand, q)
+
+    def draft(self, anchor: int, prev: int | None) -> DraftTree:
+        return allocate([self.candidates(anchor, prev)], cost=self.cost_table)[0]
 
     def observe(self, tree: DraftTree, walk: WalkResult) -> None:
         super().observe(tree, walk)

@@ -1,0 +1,2 @@
+"""Decoding many requests: the step loop over a batch (`step`) and the continuous-batching `Engine`
+(`scheduler`)."""

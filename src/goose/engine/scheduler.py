@@ -1,0 +1,352 @@
+"""`Engine`: many requests at once on one model, continuously batched.
+
+One background thread owns the forward, every request's KV cache and method state, and runs the step loop
+(`engine.step`) over all running requests: requests join and leave at step boundaries, prompts are
+prefilled in chunks inside the same forwards as the running requests' trees (a step's prompt tokens share
+one budget, so a long prompt delays the others by at most one chunk per step), and the `goose` method's
+subtrees are chosen for the whole batch at once under the batched cost curve (`selector.allocate`).
+Callers talk to it only through `Request` objects (thread-safe).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+
+from ..costmodel import load_or_measure_batch
+from ..decoding import GenerationResult, context_limit, decode_config, default_forward, encode, eos_ids, id_set, \
+    text_pieces
+from ..errors import GooseError
+from ..methods import Method, make_method
+from .step import Slot, step
+
+_END = object()  # end of a request's block queue
+
+
+class Request:
+    """One submitted request. `result()` waits for its `GenerationResult`; `stream()` yields its text pieces
+    as they are accepted; `tokens()` its token blocks; `cancel()` stops it at the next step boundary.
+    `finish_reason`: "stop" (a stop token or `stop`), "length" (max_new_tokens), "cancelled" or "error"."""
+
+    def __init__(self, rid: int, prompt: list[int], slot: Slot, decode, on_tokens) -> None:
+        self.id = rid
+        self.prompt = prompt
+        self.slot = slot
+        self._decode = decode
+        self._on_tokens = on_tokens
+        self._blocks: queue.Queue = queue.Queue()
+        self._done = threading.Event()
+        self._cancel = threading.Event()
+        self.error: BaseException | None = None
+        self.finish_reason: str | None = None
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._result: GenerationResult | None = None
+
+    # ---- caller side ---------------------------------------------------------------------------------
+    def cancel(self) -> None:
+        """Stop this request at the next step boundary (its slot is freed); a no-op once it is done."""
+        self._cancel.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the request is over; False on timeout."""
+        return self._done.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """The finished request's result; raises the request's error, GooseError if it was cancelled, or
+        TimeoutError after `timeout` seconds."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        if self.finish_reason == "cancelled":
+            raise GooseError(f"request {self.id} was cancelled")
+        return self._result
+
+    def tokens(self, timeout: float | None = None):
+        """Token blocks as they are committed (the first block is the first token). Stopping the iteration
+        early cancels the request. Raises the request's error at the end, TimeoutError when no block came
+        for `timeout` seconds."""
+        finished = False
+        try:
+            while True:
+                try:
+                    block = self._blocks.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(f"request {self.id}: no tokens for {timeout} s") from None
+                if block is _END:
+                    finished = True
+                    break
+                yield block
+        finally:
+            if not finished:
+                self.cancel()
+        if self.error is not None:
+            raise self.error
+
+    def stream(self, timeout: float | None = None):
+        """Text pieces as they are accepted (they concatenate to `result().text`); see `tokens`."""
+        if self._decode is None:
+            raise GooseError("streaming text needs a tokenizer")
+        yield from text_pieces(self.tokens(timeout), self._decode)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Seconds from submission to the first generated token."""
+        return None if self.first_token_at is None else self.first_token_at - self.submitted
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean seconds per generated token after the first."""
+        n = self.slot.stats.new_tokens
+        if self.finished_at is None or self.first_token_at is None or n < 2:
+            return None
+        return (self.finished_at - self.first_token_at) / (n - 1)
+
+    # ---- engine side ---------------------------------------------------------------------------------
+    def _deliver(self, block: list[int]) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self._blocks.put(block)
+        if self._on_tokens is not None:
+            self._on_tokens(block)
+
+    def _finish(self, reason: str, error: BaseException | None = None) -> None:
+        if self._done.is_set():
+            return
+        self.finish_reason, self.error = reason, error
+        self.finished_at = time.perf_counter()
+        s = self.slot
+        if reason in ("stop", "length"):
+            text = self._decode(s.out) if self._decode is not None else None
+            self._result = GenerationResult(text, list(s.out), s.stats)
+        self._blocks.put(_END)
+        self._done.set()
+
+
+class Engine:
+    """Serves many requests at once on one model (see the module docstring). Thread-safe.
+
+    `method`: the default method of every request (a name of `goose.METHODS`); a request may name another
+    with ``submit(..., method=...)``. `max_batch`: requests decoded together (more wait in a FIFO queue:
+    more requests per forward raise throughput and each request's time per token). `max_queue`: waiting
+    requests beyond which `submit` raises GooseError (None: unbounded). `prefill_chunk`: prompt tokens all
+    prefilling requests may add in one step (None: each request's ``prefill_chunk`` option, 512 by default).
+    """
+
+    def __init__(self, model, tokenizer=None, method: str | Method = "goose", max_batch: int = 8, config=None,
+                 *, forward=None, max_queue: int | None = None, prefill_chunk: int | None = None) -> None:
+        if max_batch < 1:
+            raise GooseError(f"max_batch must be >= 1, got {max_batch}")
+        if max_queue is not None and max_queue < 0:
+            raise GooseError(f"max_queue must be >= 0, got {max_queue}")
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self._own_forward = forward is None
+        self.forward = forward if forward is not None else default_forward(model)
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.eos = eos_ids(model, tokenizer)
+        self.limit = context_limit(model)
+        self._templates: dict[str, Method] = {}
+        self._tpl_lock = threading.Lock()  # preparing a method (maybe measuring a cost curve) takes seconds
+        self._cost = None
+        self.method = method if isinstance(method, Method) else None
+        self.default_method = self._template(method).name if self.method is None else method.name
+        if self.method is not None:
+            self.method.prepare(model, self.forward, tokenizer)
+            self._templates[self.default_method] = self.method
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._ids = itertools.count(1)
+        self._closed = False
+        self.steps = 0  # forwards run so far
+        self.batch_sizes: list[int] = []  # requests per step (for metrics)
+        self._thread = threading.Thread(target=self._loop, name="goose-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API ----------------------------------------------------------------------------------
+    def submit(self, prompt_or_ids: str | list[int], max_new_tokens: int = 128, chat: bool = False, *,
+               method: str | None = None, stop=None, eos=None, on_tokens=None, **options) -> Request:
+        """Queue one request; returns at once. `options` are DecodeConfig fields (do_sample, temperature,
+        top_k, top_p, seed, prefill_chunk). `stop(tokens) -> bool` is asked after every generated token;
+        `eos`: stop token ids (default: the model's); `on_tokens(block)` is called on the engine's thread
+        with each committed block (an exception there fails this request only). Bad input raises GooseError
+        here, before anything is queued."""
+        cfg = decode_config(dict(options, max_new_tokens=max_new_tokens))
+        if isinstance(prompt_or_ids, str):
+            ids = encode(self.tokenizer, prompt_or_ids, chat)
+        else:
+            ids = [int(t) for t in prompt_or_ids]
+            if any(not 0 <= t < self.vocab for t in ids):
+                raise GooseError(f"token ids must be in 0..{self.vocab - 1}")
+        template = self._template(method or self.default_method)
+        rid = next(self._ids)
+        req_box: list[Request] = []
+        slot = Slot(ids, cfg, template.fork(), self.forward.new_cache(), self.eos if eos is None else id_set(eos),
+                    self.limit, stop=None if stop is None else _guarded(stop, req_box))
+        decode = None if self.tokenizer is None else \
+            (lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
+        req = Request(rid, ids, slot, decode, on_tokens)
+        req_box.append(req)
+        with self._cond:
+            if self._closed:
+                raise GooseError("the engine is closed")
+            if self.max_queue is not None and len(self._waiting) >= self.max_queue:
+                raise GooseError(f"the queue is full ({self.max_queue} waiting requests)")
+            self._waiting.append(req)
+            self._cond.notify_all()
+        return req
+
+    def generate(self, prompt_or_ids, max_new_tokens: int = 128, chat: bool = False, **options) -> GenerationResult:
+        return self.submit(prompt_or_ids, max_new_tokens, chat, **options).result()
+
+    def generate_batch(self, prompts: list, max_new_tokens: int = 128, chat: bool = False,
+                       **options) -> list[GenerationResult]:
+        """Submit every prompt, wait for all; results in input order."""
+        reqs = [self.submit(p, max_new_tokens, chat, **options) for p in prompts]
+        return [r.result() for r in reqs]
+
+    def load(self) -> tuple[int, int]:
+        """(running requests, waiting requests)."""
+        with self._cond:
+            return len(self._running), len(self._waiting)
+
+    def close(self, timeout: float | None = None, cancel: bool = False) -> None:
+        """Accept no more requests; finish the queued and running ones (all cancelled at once with `cancel`,
+        or the ones still unfinished after `timeout` seconds), then stop the engine's thread."""
+        with self._cond:
+            self._closed = True
+            if cancel:
+                for r in [*self._waiting, *self._running]:
+                    r.cancel()
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._cond:
+                for r in [*self._waiting, *self._running]:
+                    r.cancel()
+                self._cond.notify_all()
+            self._thread.join()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals -----------------------------------------------------------------------------------
+    def _template(self, name: str) -> Method:
+        """The prepared method `name` whose forks serve requests (prepared once; cost curves measured once)."""
+        with self._tpl_lock:
+            tpl = self._templates.get(name)
+            if tpl is None:
+                tpl = make_method(name, self.vocab, self.config)
+                tpl.prepare(self.model, self.forward, self.tokenizer)
+                self._templates[name] = tpl
+            if getattr(tpl, "cost", None) is not None and self._cost is None:
+                self._cost = load_or_measure_batch(self.model, self.forward, self.max_batch)
+            return tpl
+
+    def _loop(self) -> None:
+        try:
+            while self._next_step():
+                pass
+        except BaseException as exc:  # the engine cannot go on: every request learns why
+            with self._cond:
+                self._closed = True
+                for r in [*self._waiting, *self._running]:
+                    r._finish("error", GooseError(f"the engine stopped: {exc!r}"))
+                self._waiting.clear()
+                self._running.clear()
+            raise
+
+    def _next_step(self) -> bool:
+        with self._cond:
+            while not self._waiting and not self._running:
+                if self._closed:
+                    return False
+                self._cond.wait()
+            for r in [r for r in self._waiting if r._cancel.is_set()]:
+                self._waiting.remove(r)
+                r._finish("cancelled")
+            while self._waiting and len(self._running) < self.max_batch:
+                self._running.append(self._waiting.popleft())
+                self._running[-1].slot.begin()
+            running = list(self._running)
+        for r in running:
+            if r._cancel.is_set():
+                r._finish("cancelled")
+        running = [r for r in running if not r.done]
+        if running and self._stale_weights(running):
+            running = []
+        if running:
+            try:
+                step(self.forward, [r.slot for r in running], self._cost, self.prefill_chunk)
+            except Exception as exc:  # a failure of the shared forward fails the requests in it
+                for r in running:
+                    r._finish("error", exc if isinstance(exc, GooseError) else GooseError(f"decoding failed: {exc!r}"))
+            self.steps += 1
+            self.batch_sizes.append(len(running))
+            for r in running:
+                if r.done:
+                    continue
+                s = r.slot
+                try:
+                    if s.new:
+                        r._deliver(s.new)
+                except Exception as exc:  # the request's own callback: it alone fails
+                    r._finish("error", exc)
+                    continue
+                if r.error is not None:  # its `stop` raised
+                    r._finish("error", r.error)
+                elif s.done:
+                    r._finish(s.finish_reason)
+        with self._cond:
+            self._running = [r for r in self._running if not r.done]
+        return True
+
+    def _stale_weights(self, running: list[Request]) -> bool:
+        """The model's weights changed under running requests: their caches hold keys and values of the old
+        weights, so they fail; later requests decode with a forward built from the new weights (or fail, when
+        the forward was given by the caller)."""
+        stale = getattr(self.forward, "stale", None)
+        if stale is None or not stale():
+            return False
+        err = GooseError("the model's weights changed while this request was decoded")
+        for r in running:
+            r._finish("error", err)
+        with self._cond:
+            if self._own_forward:
+                self.forward = default_forward(self.model)
+                for r in self._waiting:
+                    r.slot.cache = self.forward.new_cache()
+            else:
+                for r in self._waiting:
+                    r._finish("error", GooseError("the model's weights changed since the engine's forward packed "
+                                                  "them: build a new Engine"))
+                self._waiting.clear()
+        return True
+
+
+def _guarded(stop, box: list):
+    """`stop` whose exception ends (and later fails) its own request instead of the whole step."""
+
+    def guarded(tokens: list[int]) -> bool:
+        try:
+            return bool(stop(tokens))
+        except Exception as exc:
+            box[0].error = exc
+            return True
+
+    return guarded
+
+
