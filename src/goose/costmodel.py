@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import cachefs
 from .model import cache_root
 from .tree import BRANCH, DraftTree
 from .tree_tensors import ancestor_mask, tree_depths
@@ -104,41 +106,103 @@ def _bushy_tree(n: int, vocab: int) -> DraftTree:
 
 
 @torch.inference_mode()
-def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int = REPEATS) -> CostCurve:
-    """Median ms per forward of a tree of each size on top of a cache of `cache_len` tokens, made
-    non-decreasing in the size (`monotone`)."""
-    forward.reset()
-    forward([(i * 7919) % vocab for i in range(cache_len)])
-    trees = {n: _bushy_tree(n, vocab) for n in sizes}
+def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int = REPEATS,
+            sequences: int = 1) -> CostCurve:
+    """Median ms per forward of `sequences` trees of `n` nodes in all (split as evenly as possible), each on
+    top of its own cache of `cache_len` tokens, for each size n >= sequences of `sizes`; made non-decreasing
+    in the size (`monotone`). The caches are the measurement's own (`forward.new_cache()`)."""
+    from .lean import Segment
+
+    sizes = tuple(n for n in sizes if n >= sequences)
+    caches = [forward.new_cache() for _ in range(sequences)]
+    for i, c in enumerate(caches):
+        c.reset()
+        forward.run([Segment(c, [(j * 7919 + i) % vocab for j in range(cache_len)], keep_last=1)])
+    trees = {(n, i): _bushy_tree(n // sequences + (i < n % sequences), vocab) for n in sizes for i in range(sequences)}
+    segments = {n: [Segment(c, t.tokens, *((tree_depths(t), ancestor_mask(t)) if len(t) > 1 else ()))
+                    for i, c in enumerate(caches) for t in [trees[n, i]]] for n in sizes}
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(repeats + 1):  # the first pass warms up and is discarded
         for n in sizes:
-            tree = trees[n]
             t0 = time.perf_counter()
-            if n == 1:
-                forward(tree.tokens)
-            else:
-                forward(tree.tokens, tree_depths(tree), ancestor_mask(tree))
+            forward.run(segments[n])
             dt = (time.perf_counter() - t0) * 1e3
-            forward.keep([])  # back to the prefix
+            for c in caches:
+                c.keep([])  # back to the prefix
             if rep:
                 samples[n].append(dt)
-    forward.reset()
-    return CostCurve(tuple(sizes), tuple(monotone([statistics.median(samples[n]) for n in sizes])))
+    return CostCurve(sizes, tuple(monotone([statistics.median(samples[n]) for n in sizes])))
 
 
-def load_or_measure(model, forward, remeasure: bool = False, path: Path | None = None) -> CostCurve:
-    """The cached curve for this (model, device, backend), measuring it first if needed."""
-    vocab = model.get_output_embeddings().weight.shape[0]
-    path = path or cache_root() / "cost" / f"{curve_key(model, forward)}.json"
-    if path.is_file() and not remeasure:
-        try:
-            return CostCurve.from_json(json.loads(path.read_text()))
-        except (ValueError, KeyError, json.JSONDecodeError):
-            pass  # unreadable: measure again
-    curve = measure(forward, vocab)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(curve.to_json()))
-    tmp.replace(path)
+def _read_curve(path: Path) -> CostCurve | None:
+    """The curve stored at `path`, or None when it is missing or not a valid curve (then it is measured
+    again and replaced)."""
+    try:
+        curve = CostCurve.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not all(math.isfinite(m) and m > 0 for m in curve.ms) or curve.sizes[0] < 1:
+        return None
     return curve
+
+
+def load_or_measure(model, forward, remeasure: bool = False, path: Path | None = None,
+                    sequences: int = 1) -> CostCurve:
+    """The cached curve for this (model, device, backend), measuring it first if needed.
+
+    Measuring holds a lock on the curve's file (`cachefs.lock`), so concurrent processes measure once, not
+    at the same time on the same cores, and the file is replaced atomically (a killed measurement leaves
+    the old curve or none, never a torn one)."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    path = path or cache_root() / "cost" / f"{curve_key(model, forward)}{'' if sequences == 1 else f'-x{sequences}'}.json"
+    if not remeasure:
+        curve = _read_curve(path)
+        if curve is not None:
+            return curve
+    with cachefs.lock(path):
+        if not remeasure:
+            curve = _read_curve(path)  # measured by another process while this one waited
+            if curve is not None:
+                return curve
+        cachefs.clean_stale(path.parent)
+        curve = measure(forward, vocab, sequences=sequences)
+        cachefs.write_text(path, json.dumps(curve.to_json()))
+    return curve
+
+
+BATCH_SEQUENCES = (1, 2, 4, 8)  # sequence counts whose cost curves are measured for a batch of that size
+
+
+@dataclass(frozen=True)
+class BatchCostCurve:
+    """Cost of one forward over several sequences: ms as a function of the number of sequences and of their
+    query tokens in all. One `CostCurve` (over total tokens) per measured sequence count; between counts
+    the cost is interpolated linearly, past the last one extrapolated from the last two."""
+
+    curves: tuple[tuple[int, CostCurve], ...]  # (sequences, curve), ascending
+
+    @property
+    def max_size(self) -> int:
+        return self.curves[-1][1].max_size
+
+    def __call__(self, sequences: int, n: float) -> float:
+        pts = self.curves
+        if len(pts) == 1 or sequences <= pts[0][0]:
+            return pts[0][1](n)
+        for (b0, c0), (b1, c1) in zip(pts, pts[1:]):
+            if sequences <= b1 or (b1, c1) == pts[-1]:
+                w = (sequences - b0) / (b1 - b0)
+                return (1 - w) * c0(n) + w * c1(n)
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def single(cls, curve: CostCurve) -> "BatchCostCurve":
+        return cls(((1, curve),))
+
+
+def load_or_measure_batch(model, forward, max_batch: int, remeasure: bool = False) -> BatchCostCurve:
+    """The batched cost curve for up to `max_batch` sequences per forward (one cached curve per count in
+    `BATCH_SEQUENCES` up to the first one >= max_batch)."""
+    counts = [b for b in BATCH_SEQUENCES if b < max_batch] + [next((b for b in BATCH_SEQUENCES if b >= max_batch),
+                                                                   max_batch)]
+    return BatchCostCurve(tuple((b, load_or_measure(model, forward, remeasure, sequences=b)) for b in counts))
