@@ -225,8 +225,12 @@ def model_dir(model: str) -> Path:
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = "cpu",
-               attn_implementation: str = "sdpa"):
-    """Returns ``(model, tokenizer)`` ready for goose, in eval mode."""
+               attn_implementation: str = "sdpa", weights: str | None = None):
+    """Returns ``(model, tokenizer)`` ready for goose, in eval mode.
+
+    `weights` (GGUF sources): "gguf" keeps the file's quantized blocks and multiplies with them directly
+    (`goose.quant`: the same float32 weight values, bit-identical logits under `LeanForward`, ~1/5 of the
+    memory reads); "float32" the dequantized weights; None (default) "gguf" where it applies, else float32."""
     if attn_implementation not in SUPPORTED_ATTENTION:
         raise GooseError(f"attention implementation '{attn_implementation}' ignores custom tree masks; "
                          f"use one of {', '.join(SUPPORTED_ATTENTION)}")
@@ -240,4 +244,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a damaged or foreign folder
         raise GooseError(f"cannot load the model in {path}: {one_line(exc)}") from exc
     net.to(resolve_device(device)).eval()
+    from .quant import apply_weights
+
+    apply_weights(net, model, weights, dt, resolve_device(device))
     return net, tok

@@ -1,0 +1,507 @@
+"""GGUF weights kept as they are: goose's quantized-block kernels (``quant_kernels.cpp``).
+
+A GGUF file stores most weight matrices as blocks of small integers with half-float scales (Q8_0, Q4_0,
+Q4_1, Q4_K, Q6_K here). `use_gguf_weights` packs each such tensor once into goose's panel layout (one
+copy: the float32 weight it replaces is released) and swaps the model's `nn.Linear` / `nn.Embedding`
+modules for `QuantLinear` / `QuantEmbedding`, which multiply with the blocks directly: a step reads the
+quantized bytes (~98 MB for SmolLM2's Q4_1 file) instead of 538 MB of float32.
+
+What is guaranteed (tests check each point):
+
+* Same weights. Every weight the kernel multiplies is bit for bit the float32 value gguf's own
+  dequantization gives (the one transformers loads): all products of these formats are exact in float32,
+  and the kernel rounds the final add once, as numpy does.
+* Same logits as the float32 model on goose's float32 kernel. Each output is one FMA chain over k in order,
+  then bias, then the residual add, exactly as ``cpu_kernels.cpp``'s ``goose_linear``; so `LeanForward` on
+  the GGUF weights gives logits bit-identical to `LeanForward` on the dequantized float32 model with goose's
+  kernels, and therefore the same tokens with every method (no near-tie can flip). Against other float32
+  kernels (PyTorch's, HF's forward) the usual float32 summation-order rounding separates them.
+* Row independence: a row's result does not depend on how many rows are computed with it, on the tile it
+  falls in, on the thread count, or on the instruction-set variant (AVX-512 and AVX2 give the same bits).
+
+Kernel variants, chosen from the CPU flags (``/proc/cpuinfo``), in this fallback order: ``avx512``
+(AVX-512 F/BW/VL + FMA + F16C), ``avx2`` (AVX2 + FMA + F16C), none (the GGUF is used dequantized to float32,
+with a one-line notice). The source is compiled once per variant and machine into
+``$XDG_CACHE_HOME/goose/kernels/``, like ``cpu_kernels.cpp`` (`goose.cpukernel`), and shares torch's OpenMP
+threads. ``GOOSE_CPU_KERNEL=0`` switches these kernels off too.
+
+The embedding and the output head: a quantized ``token_embd`` stays quantized; a lookup dequantizes just the
+requested rows (`QuantEmbedding`); a tied output head multiplies with the same blocks (one copy). Tensors of
+other types (F32 norms, F16, other quantizations) stay float32 as transformers loaded them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import GooseError
+from .model import cache_root
+
+SOURCE = Path(__file__).with_name("quant_kernels.cpp")
+ABI = 1
+PANEL = 16  # output columns per panel (kCols in the source)
+BASE_FLAGS = ["-std=c++17", "-O3", "-fopenmp", "-shared", "-fPIC"]
+# name -> (compiler flags, CPU flags it needs); ORDER is the fallback order
+VARIANTS = {
+    "avx512": (["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"],
+               {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}),
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+}
+ORDER = ("avx512", "avx2")
+# GGUF type name -> (code in the source, weights per GGUF block, bytes per GGUF block)
+FORMATS = {"Q8_0": (0, 32, 34), "Q4_0": (1, 32, 18), "Q4_1": (2, 32, 20), "Q4_K": (3, 256, 144),
+           "Q6_K": (4, 256, 210)}
+_NAMES = {code: name for name, (code, _, _) in FORMATS.items()}
+
+_state: dict[str, tuple] = {}
+
+
+# ---- building and loading -------------------------------------------------------------------------------
+
+def runnable_variants() -> list[str]:
+    """The variants this CPU can run, best first (see ORDER)."""
+    from .cpukernel import _cpu_flags
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
+        return []
+    flags = _cpu_flags()
+    return [v for v in ORDER if VARIANTS[v][1] <= flags]
+
+
+def _load(variant: str) -> tuple["QuantKernels | None", str | None]:
+    from .cpukernel import ENV_SWITCH, _compiler, _gnu_openmp_loaded
+
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None, f"switched off by {ENV_SWITCH}"
+    if variant not in VARIANTS:
+        return None, f"unknown variant '{variant}'; variants: {', '.join(ORDER)}"
+    if variant not in runnable_variants():
+        return None, f"this CPU cannot run the {variant} variant (needs {', '.join(sorted(VARIANTS[variant][1]))})"
+    if not _gnu_openmp_loaded():
+        return None, "torch does not run on GNU OpenMP (libgomp) here"
+    cxx = _compiler()
+    if cxx is None:
+        return None, "no C++ compiler found ($CXX, c++, g++)"
+    flags = BASE_FLAGS + VARIANTS[variant][0]
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(flags), cxx, version]).encode()).hexdigest()[:16]
+        path = cache_root() / "kernels" / f"quant_kernels-{variant}-{digest}.so"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path.with_suffix(".lock"), "w") as lock:  # one build at a time per machine
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not path.is_file():
+                    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.so")
+                    done = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True,
+                                          text=True, timeout=600)
+                    if done.returncode != 0:
+                        tmp.unlink(missing_ok=True)
+                        return None, f"building {SOURCE.name} ({variant}) failed: {done.stderr.strip()[-500:]}"
+                    os.replace(tmp, path)
+        lib = ctypes.CDLL(str(path))
+        if lib.goose_quant_abi() != ABI:
+            return None, f"{path} is not this version of the kernel"
+        return QuantKernels(lib, path, variant), None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"building or loading {SOURCE.name} ({variant}) failed: {exc}"
+
+
+def _get(variant: str) -> tuple:
+    if variant not in _state:
+        _state[variant] = _load(variant)
+    return _state[variant]
+
+
+def kernels(variant: str | None = None) -> "QuantKernels | None":
+    """The loaded kernels of `variant` (None: the best this CPU runs), or None (see `unavailable_reason`)."""
+    return _get(variant or (runnable_variants() or ["avx2"])[0])[0]
+
+
+def unavailable_reason(variant: str | None = None) -> str | None:
+    """Why `kernels(variant)` is None here (None when it is available); builds and loads it on first call."""
+    if variant is None and not runnable_variants():
+        return "needs an x86-64 Linux CPU with AVX2, FMA and F16C"
+    return _get(variant or runnable_variants()[0])[1]
+
+
+class QuantKernels:
+    """One loaded variant: `pack` GGUF rows once, `linear` any number of rows, `rows` of the weight."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, variant: str) -> None:
+        self.path, self.variant = path, variant
+        self.isa = lib.goose_quant_isa()
+        self._bytes = lib.goose_quant_packed_bytes
+        self._bytes.restype = ctypes.c_int64
+        self._bytes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        self._pack = lib.goose_quant_pack
+        self._pack.restype = ctypes.c_int
+        self._pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self._rows = lib.goose_quant_rows
+        self._rows.restype = None
+        self._rows.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_int64, ctypes.c_void_p]
+        self._fn = lib.goose_quant_linear
+        self._fn.restype = None
+        self._fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
+                             ctypes.c_int, ctypes.c_int]
+
+    def packed_bytes(self, fmt: str, n: int, k: int) -> int:
+        return int(self._bytes(FORMATS[fmt][0], n, k))
+
+    def pack(self, fmt: str, rows: list[np.ndarray], k: int) -> "QuantWeight":
+        """GGUF rows (each a uint8 array of one row's blocks, K weights) -> a packed ``[len(rows), K]`` weight."""
+        if fmt not in FORMATS:
+            raise GooseError(f"no quantized kernel for {fmt}; formats: {', '.join(FORMATS)}")
+        code, block, bbytes = FORMATS[fmt]
+        n = len(rows)
+        size = self.packed_bytes(fmt, n, k) if n else 0
+        if size <= 0:
+            raise GooseError(f"{fmt}: a [{n}, {k}] weight is not a whole number of {block}-weight blocks")
+        want = k // block * bbytes
+        for r in rows:  # sizes checked before C++ reads a byte
+            if r.dtype != np.uint8 or r.ndim != 1 or r.nbytes != want or not r.flags.c_contiguous:
+                raise GooseError(f"{fmt}: a row of {k} weights must be {want} contiguous bytes, got {r.nbytes}")
+        ptrs = np.array([r.ctypes.data for r in rows], dtype=np.uint64)
+        data = torch.empty(size, dtype=torch.uint8)
+        if self._pack(code, ptrs.ctypes.data, n, k, data.data_ptr()) != 0:
+            raise GooseError(f"{fmt}: packing failed")
+        return QuantWeight(self, fmt, n, k, data)
+
+    def rows(self, weight: "QuantWeight", ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight: float32 ``[*ids.shape, K]``."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= weight.n):
+            raise IndexError(f"row ids must be in [0, {weight.n})")
+        out = torch.empty(flat.numel(), weight.k, dtype=torch.float32)
+        if flat.numel():
+            self._rows(FORMATS[weight.fmt][0], weight.data.data_ptr(), weight.n, weight.k, flat.data_ptr(),
+                       flat.numel(), out.data_ptr())
+        return out.view(*ids.shape, weight.k)
+
+    def linear(self, x: torch.Tensor, packed: "QuantWeight", n: int, bias: torch.Tensor | None = None, *,
+               norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``in(x) [M, K]`` times the packed ``[N, K]`` weight, plus bias: ``[M, N]`` (float32, CPU); the call
+        shape of `CpuKernels.linear` (see there for `norm`, `gated`, `out`). `bias` is padded to a whole
+        number of 16-column panels (`CpuKernels.pack_bias`)."""
+        if not isinstance(packed, QuantWeight):
+            raise TypeError("packed must be a QuantWeight")
+        k_in = packed.k
+        if n != packed.n:
+            raise ValueError(f"n = {n}, the weight has {packed.n} rows")
+        if packed.data.numel() != self.packed_bytes(packed.fmt, packed.n, k_in) or not packed.data.is_contiguous():
+            raise ValueError("the packed weight has the wrong size")
+        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError("x must be a float32 CPU [M, K] tensor")
+        x = x.contiguous()
+        m, k = x.shape
+        if k != (2 * k_in if gated else k_in):
+            raise ValueError(f"input has {k} features, the weight {k_in}" + (" (x2 when gated)" if gated else ""))
+        if norm is not None and (gated or tuple(norm[0].shape) != (k_in,) or norm[0].dtype != torch.float32):
+            raise ValueError("norm needs an ungated input and a float32 [K] weight")
+        padded = -(-n // PANEL) * PANEL
+        if bias is not None and (bias.dtype != torch.float32 or bias.numel() < padded or not bias.is_contiguous()):
+            raise ValueError(f"bias must be a contiguous float32 tensor of at least {padded} values (padded)")
+        if out is None:
+            y = torch.empty(m, n, dtype=torch.float32)
+        elif tuple(out.shape) != (m, n) or not out.is_contiguous() or out.dtype != torch.float32:
+            raise ValueError(f"out must be a contiguous float32 [{m}, {n}] tensor")
+        else:
+            y = out
+        if m == 0:
+            return y
+        nw, eps = (None, 0.0) if norm is None else (norm[0].contiguous(), float(norm[1]))
+        self._fn(FORMATS[packed.fmt][0], x.data_ptr(), m, k_in, packed.data.data_ptr(), n,
+                 None if bias is None else bias.data_ptr(), y.data_ptr(), None if nw is None else nw.data_ptr(), eps,
+                 int(gated), int(out is not None))
+        return y
+
+
+# ---- the weight and the modules -------------------------------------------------------------------------
+
+class QuantWeight:
+    """A packed quantized ``[n, k]`` weight. It stands where a float32 weight tensor stood (``shape``,
+    ``dtype`` float32, ``device`` cpu, ``detach()``, row indexing and `F.embedding` dequantize rows), so code
+    that only looks at a weight's shape, or looks up embedding rows, runs unchanged; anything else that
+    would need the full float32 matrix raises a TypeError instead of silently dequantizing it."""
+
+    dtype = torch.float32
+    device = torch.device("cpu")
+    requires_grad = False
+    ndim = 2
+
+    def __init__(self, kernels: QuantKernels, fmt: str, n: int, k: int, data: torch.Tensor) -> None:
+        self.kernels, self.fmt, self.n, self.k, self.data = kernels, fmt, n, k, data
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.n, self.k))
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return 2
+
+    def detach(self) -> "QuantWeight":
+        return self
+
+    def contiguous(self) -> "QuantWeight":
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole float32 ``[n, k]`` matrix (tests, and models the kernels cannot run)."""
+        return self.kernels.rows(self, torch.arange(self.n))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        ids = torch.arange(self.n)[index]
+        return self.kernels.rows(self, ids)
+
+    def __repr__(self) -> str:
+        return f"QuantWeight({self.fmt}, [{self.n}, {self.k}], {self.nbytes} bytes, {self.kernels.variant})"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding and len(args) >= 2 and isinstance(args[1], QuantWeight) and not kwargs.get("max_norm"):
+            return args[1].kernels.rows(args[1], args[0])
+        raise TypeError(f"{func.__name__} is not defined on a quantized weight (QuantWeight)")
+
+
+def cat(weights: list[QuantWeight]) -> QuantWeight:
+    """The row-wise concatenation of packed weights (a fused QKV or gate/up projection), with one copy of the
+    bytes: the inputs become views of the result. All but the last need a multiple of 16 rows."""
+    first = weights[0]
+    if any(w.fmt != first.fmt or w.k != first.k or w.kernels is not first.kernels for w in weights):
+        raise GooseError("only weights of one format, width and kernel can be fused")
+    if any(w.n % PANEL for w in weights[:-1]):
+        raise GooseError(f"fusing quantized weights needs multiples of {PANEL} rows")
+    data = torch.cat([w.data for w in weights])
+    at = 0
+    for w in weights:
+        w.data = data[at: at + w.data.numel()]
+        at += w.data.numel()
+    return QuantWeight(first.kernels, first.fmt, sum(w.n for w in weights), first.k, data)
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T + b`` with W a `QuantWeight` (the HF forward of a model with GGUF weights runs through it)."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.k, weight.n
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.weight.kernels.linear(x.reshape(-1, shape[-1]).to(torch.float32), self.weight, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight!r}, bias={self.bias is not None}"
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept quantized: a lookup dequantizes only the rows asked for."""
+
+    def __init__(self, weight: QuantWeight, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = weight.n, weight.k
+        self.padding_idx = padding_idx
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.kernels.rows(self.weight, ids)
+
+    def extra_repr(self) -> str:
+        return repr(self.weight)
+
+
+# ---- GGUF -> model --------------------------------------------------------------------------------------
+
+# GGUF tensor name (per layer, after "blk.{i}.") -> module path under model.model.layers[i]
+_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+# architectures whose tensors map this way (llama's q/k rows are permuted by llama.cpp's converter)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def _permutation(n: int, heads: int) -> np.ndarray:
+    """HF row i of a llama q/k projection is GGUF row perm[i] (the inverse of llama.cpp's rope permutation)."""
+    dim = n // heads // 2
+    return np.arange(n).reshape(heads, dim, 2).swapaxes(1, 2).reshape(n)
+
+
+def _field(reader, name: str):
+    f = reader.fields.get(name)
+    if f is None:
+        return None
+    v = f.parts[f.data[0]]
+    return bytes(v).decode() if v.dtype == np.uint8 else v.tolist()[0]
+
+
+def _notice(msg: str) -> None:
+    print(f"goose: {msg}", file=sys.stderr)
+
+
+def use_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, check: bool = True) -> dict:
+    """Replace `model`'s projections, embedding and output head by the GGUF file's quantized blocks (where
+    the file holds them in a supported format); returns ``{"packed": [...names], "float32": [...], "bytes": n}``.
+
+    The model must be the one transformers loads from this file (config, names, shapes). With `check`, the
+    first rows of every tensor are compared with the model's float32 weights before those are released: any
+    difference (a mapping this function got wrong) raises instead of giving other weights. Types without a
+    kernel (F16, Q5_K, ...) keep their float32 weights, with a one-line notice."""
+    from gguf import GGUFReader
+
+    kern = kernels or kernels_or_none()
+    if kern is None:
+        raise GooseError(f"goose's quantized kernels cannot run here: {unavailable_reason()}")
+    try:
+        reader = GGUFReader(str(gguf))
+    except Exception as exc:  # gguf raises several types for truncated or malformed files
+        raise GooseError(f"cannot read GGUF file {gguf}: {exc}") from exc
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{arch}'")
+    cfg, base = model.config, model.model
+    tensors = {t.name: t for t in reader.tensors}
+    done: dict = {"packed": [], "float32": [], "bytes": 0}
+    skipped: set[str] = set()
+
+    def quantized(name: str, module: nn.Module, heads: int | None = None) -> QuantWeight | None:
+        t = tensors.get(name)
+        if t is None:
+            return None
+        fmt = t.tensor_type.name
+        if fmt not in FORMATS:
+            if fmt not in ("F32", "F16", "BF16"):
+                skipped.add(fmt)
+            done["float32"].append(name)
+            return None
+        n, k = module.weight.shape
+        _, block, bbytes = FORMATS[fmt]
+        shape = [int(s) for s in t.shape]
+        if shape != [k, n] or k % block or t.data.shape != (n, k // block * bbytes) or t.data.dtype != np.uint8:
+            raise GooseError(f"GGUF tensor {name} ({fmt}) has shape {shape} / {t.data.shape} bytes; the model "
+                             f"needs [{k}, {n}]")
+        data = np.ascontiguousarray(t.data)
+        order = _permutation(n, heads) if heads else range(n)
+        w = kern.pack(fmt, [data[i] for i in order], k)
+        if check and module.weight.device.type != "meta":
+            rows = min(n, 2 * PANEL)
+            ref = module.weight.detach()[:rows].float()
+            if not torch.equal(w[:rows], ref):
+                raise GooseError(f"GGUF tensor {name}: its blocks do not give the model's weights "
+                                 f"(max diff {(w[:rows] - ref).abs().max().item():.3g})")
+        done["packed"].append(name)
+        done["bytes"] += w.nbytes
+        return w
+
+    permute = arch == "llama"
+    for i, layer in enumerate(base.layers):
+        for short, path in _LAYER_NAMES.items():
+            parent_name, attr = path.split(".")
+            parent = getattr(layer, parent_name)
+            module = getattr(parent, attr)
+            if type(module) is not nn.Linear:
+                continue
+            heads = None
+            if permute and short == "attn_q":
+                heads = cfg.num_attention_heads
+            elif permute and short == "attn_k":
+                heads = cfg.num_key_value_heads
+            w = quantized(f"blk.{i}.{short}.weight", module, heads)
+            if w is not None:
+                setattr(parent, attr, QuantLinear(w, module.bias))
+    emb = base.embed_tokens
+    tied = model.lm_head.weight is emb.weight
+    ew = quantized("token_embd.weight", emb) if type(emb) is nn.Embedding else None
+    if ew is not None:
+        base.embed_tokens = QuantEmbedding(ew, emb.padding_idx)
+    if tied and ew is not None and "output.weight" not in tensors:
+        model.lm_head = QuantLinear(ew, model.lm_head.bias)
+    elif not tied and type(model.lm_head) is nn.Linear:
+        ow = quantized("output.weight", model.lm_head)
+        if ow is not None:
+            model.lm_head = QuantLinear(ow, model.lm_head.bias)
+    if skipped:
+        _notice(f"{gguf.name}: {', '.join(sorted(skipped))} tensors have no quantized kernel; they run "
+                "dequantized to float32")
+    return done
+
+
+def kernels_or_none() -> QuantKernels | None:
+    return kernels() if runnable_variants() else None
+
+
+def format_name(code: int) -> str:
+    return _NAMES[code]
+
+
+WEIGHTS = ("gguf", "float32")
+
+
+def gguf_source(model: str) -> Path | None:
+    """The GGUF file behind a model name or path, where goose can keep its blocks: a packaged model shipped as
+    one file (smollm2-135m), or a .gguf path; None otherwise (a Hugging Face folder; gemma3-270m, whose file
+    is assembled from chunk packages and whose architecture LeanForward does not run)."""
+    from .model import PACKAGED, package_file
+
+    if model in PACKAGED:
+        spec = PACKAGED[model]
+        return None if spec.file is None else package_file(spec.package, spec.file, f"model '{model}'", spec.install)
+    path = Path(model).expanduser()
+    return path.resolve() if path.suffix == ".gguf" and path.is_file() else None
+
+
+def apply_weights(net, model: str, weights: str | None, dtype: torch.dtype, device: torch.device) -> str:
+    """`load_model`'s ``weights``: "gguf" (keep the GGUF blocks, `use_gguf_weights`), "float32" (the
+    dequantized weights), or None: "gguf" where it applies (a GGUF source of a supported architecture,
+    float32 on CPU, the kernels available here), else "float32" (with a one-line notice when a GGUF source
+    could not keep its blocks). Returns the kind used; an explicit "gguf" that cannot be honoured raises."""
+    if weights not in (None, *WEIGHTS):
+        raise GooseError(f"unknown weights '{weights}'; choose one of: {', '.join(WEIGHTS)}")
+    if weights == "float32":
+        return "float32"
+    src = gguf_source(model)
+    why = None
+    if src is None:
+        why = "the model is not a single GGUF file (a .gguf path or smollm2-135m)"
+    elif dtype != torch.float32 or device.type != "cpu":
+        why = "GGUF blocks run in float32 on the CPU only"
+    elif kernels_or_none() is None:
+        why = f"goose's quantized kernels cannot run here ({unavailable_reason()})"
+    if why is None:
+        try:
+            use_gguf_weights(net, src)
+            return "gguf"
+        except GooseError as exc:
+            why = str(exc)
+    if weights == "gguf":
+        raise GooseError(f"--weights gguf: {why}")
+    if src is not None:
+        _notice(f"using float32 weights: {why}")
+    return "float32"
