@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import cachefs
 from ..cli import add_model_args, add_sampling_args, positive_int, sampling_options
 from ..errors import GooseError
 from ..model import DEFAULT_MODEL
@@ -60,7 +61,7 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     methods = with_reference(args.methods)
     settings = method_settings(methods)  # a missing datastore fails here, before the model load
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, args.dtype, args.device)
+    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
     runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"],
                     sampling=pinned["sampling"])
     meta = {**store.environment(pinned["model"], model, args.dtype, args.device, argv), **pinned,
@@ -90,7 +91,7 @@ def render_dir(out: Path) -> Path:
     write_summary(out, summary)
     plots = write_plots(summary, out)
     path = out / "report.md"
-    path.write_text(render(summary, plots), encoding="utf-8")
+    cachefs.write_text(path, render(summary, plots))
     print(console_table(summary))
     return path
 

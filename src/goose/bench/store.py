@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .. import cachefs
 from ..errors import GooseError
 
 # Settings a run directory holds one value of: those that change the generated tokens, and those that
@@ -93,7 +94,7 @@ def read_answers(path: Path, repair: bool = False) -> list[dict]:
         except json.JSONDecodeError:
             if n == len(lines) and not text.endswith("\n"):  # torn tail
                 if repair:
-                    path.write_text("\n".join(lines[:-1]) + ("\n" if len(lines) > 1 else ""), encoding="utf-8")
+                    cachefs.write_text(path, "\n".join(lines[:-1]) + ("\n" if len(lines) > 1 else ""))
                 break
             raise GooseError(f"{path} line {n}: not valid JSON; fix or remove that line") from None
     return rows
@@ -147,7 +148,7 @@ def open_run(out: Path, meta: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     for p in answers_dir(out).glob("*.jsonl"):
         read_answers(p, repair=True)
-    (out / "run.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    cachefs.write_text(out / "run.json", json.dumps(meta, indent=2) + "\n")  # atomic: a kill leaves old or new
     return meta
 
 

@@ -11,6 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from .. import cachefs
 from ..errors import GooseError
 from . import store
 
@@ -110,5 +111,5 @@ def summarize(out: Path) -> dict:
 
 def write_summary(out: Path, summary: dict) -> Path:
     path = out / "summary.json"
-    path.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    cachefs.write_text(path, json.dumps(summary, indent=2) + "\n")
     return path
