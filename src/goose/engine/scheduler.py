@@ -278,6 +278,9 @@ class Engine:
             for r in [r for r in self._waiting if r._cancel.is_set()]:
                 self._waiting.remove(r)
                 r._finish("cancelled")
+        self._check_weights()
+        with self._cond:
+            self._running = [r for r in self._running if not r.done]
             while self._waiting and len(self._running) < self.max_batch:
                 self._running.append(self._waiting.popleft())
                 self._running[-1].slot.begin()
@@ -286,8 +289,6 @@ class Engine:
             if r._cancel.is_set():
                 r._finish("cancelled")
         running = [r for r in running if not r.done]
-        if running and self._stale_weights(running):
-            running = []
         if running:
             try:
                 step(self.forward, [r.slot for r in running], self._cost, self.prefill_chunk)
@@ -314,17 +315,16 @@ class Engine:
             self._running = [r for r in self._running if not r.done]
         return True
 
-    def _stale_weights(self, running: list[Request]) -> bool:
-        """The model's weights changed under running requests: their caches hold keys and values of the old
-        weights, so they fail; later requests decode with a forward built from the new weights (or fail, when
-        the forward was given by the caller)."""
+    def _check_weights(self) -> None:
+        """When the model's weights changed, the running requests fail (their caches hold keys and values of
+        the old weights); the waiting ones decode with a forward built from the new weights, or fail when the
+        forward was given by the caller (it holds packed copies of the old ones)."""
         stale = getattr(self.forward, "stale", None)
         if stale is None or not stale():
-            return False
-        err = GooseError("the model's weights changed while this request was decoded")
-        for r in running:
-            r._finish("error", err)
+            return
         with self._cond:
+            for r in self._running:
+                r._finish("error", GooseError("the model's weights changed while this request was decoded"))
             if self._own_forward:
                 self.forward = default_forward(self.model)
                 for r in self._waiting:
@@ -334,7 +334,6 @@ class Engine:
                     r._finish("error", GooseError("the model's weights changed since the engine's forward packed "
                                                   "them: build a new Engine"))
                 self._waiting.clear()
-        return True
 
 
 def _guarded(stop, box: list):
