@@ -175,3 +175,85 @@ def test_profile_prints_the_curve_and_the_kernels(tiny_dir, capsys, tmp_path, mo
     ms = [float(r.split()[1]) for r in rows]
     assert sizes[0] == 1 and sizes == sorted(sizes) and ms == sorted(ms)  # a non-decreasing curve
     assert plot.is_file() and list((tmp_path / "cache" / "cost").glob("*.json"))
+
+
+def _write(path, data: bytes):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+@pytest.mark.parametrize("config, needle", [
+    (b"{}", "names no 'model_type'"),
+    (b"not json at all", "is not valid JSON"),
+    (b"[1, 2]", "must hold a JSON object"),
+    (b"\xff\xfe{}", "is not UTF-8"),
+    (b'{"model_type": "llama"}', "cannot load the model"),  # no weights, no tokenizer
+])
+def test_bad_model_folder_gives_one_line(tmp_path, config, needle, capsys):
+    _write(tmp_path / "m" / "config.json", config)
+    code, _, err = run(["generate", "--model", str(tmp_path / "m"), "hi"], capsys)
+    assert code == 2 and needle in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("data, needle", [
+    (b"caf\xe9 au lait", "is not UTF-8 text (byte 3)"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "not UTF-8"),
+    (b"hello\x00world", "looks binary"),
+])
+def test_prompt_file_that_is_not_text(tmp_path, data, needle, capsys):
+    f = _write(tmp_path / "p.bin", data)
+    code, _, err = run(["generate", "--model", "/no/such/dir", "--prompt-file", str(f)], capsys)
+    assert code == 2 and needle in err and err.count("\n") == 1, err
+    code, _, err = run(["generate", "--model", "/no/such/dir", "--prompt-file", str(tmp_path)], capsys)
+    assert code == 2 and "not found" in err
+
+
+@pytest.mark.parametrize("seed, ok", [(str(2**70), False), ("-1", False), ("1e3", False), (str(2**64 - 1), True)])
+def test_seed_range(seed, ok, capsys):
+    code, _, err = run(["generate", "--model", "/no/such/dir", "--temperature", "1", "--seed", seed, "hi"], capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert ("unknown model" in err) == ok and (("0..2^64-1" in err) or "expected an integer" in err) != ok, err
+
+
+def test_large_seed_samples(tiny_dir, capsys):
+    argv = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "6", "--temperature", "1", "--json", "--verify",
+            "--seed", str(2**64 - 1), "hello"]
+    code, out, err = run(argv, capsys)
+    assert code == 0 and json.loads(out)["lossless"] is True, err
+
+
+def test_jsonl_dataset_not_utf8(tmp_path, capsys):
+    f = _write(tmp_path / "q.jsonl", b'{"id": 1, "turns": ["hi"]}\n{"id": 2, "turns": ["caf\xe9"]}\n')
+    code, _, err = run(["bench", "--dataset", f"jsonl:{f}", "--model", "/no/such/dir", "--out", str(tmp_path / "o")],
+                       capsys)
+    assert code == 2 and "line 2: not UTF-8" in err and err.count("\n") == 1, err
+
+
+def test_verify_without_json(tiny_dir, capsys):
+    base = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "8", "--method", "goose", "a b a b a b"]
+    code, plain, _ = run(base, capsys)
+    code, out, err = run(base + ["--verify"], capsys)
+    assert code == 0 and out == plain  # the text alone on stdout
+    last = err.strip().split("\n")[-1]  # after any progress bar of the model load
+    assert last.startswith("goose: verify: the ") and "identical to ar" in last, err
+    code, _, err = run(base + ["--verify", "--stream"], capsys)
+    assert code == 2 and "cannot be combined with --stream" in err
+
+
+def test_datastore_info_missing_store(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    code, _, err = run(["datastore", "info", "--name", "nothing"], capsys)
+    assert code == 2 and "no datastore 'nothing'" in err and err.count("\n") == 1
+
+
+def test_multi_line_errors_are_printed_on_one_line(monkeypatch, capsys):
+    from goose import cli
+    from goose.errors import GooseError
+
+    def boom(args):
+        raise GooseError("first line\nsecond line")
+
+    monkeypatch.setattr(cli, "cmd_datastore_info", boom)
+    code, _, err = run(["datastore", "info"], capsys)
+    assert code == 2 and err == "goose: error: first line second line\n"
