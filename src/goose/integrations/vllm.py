@@ -1,0 +1,326 @@
+"""GOOSE drafting inside vLLM: an out-of-tree proposer for vLLM's ``custom_class`` speculative method.
+
+vLLM (v1) verifies one draft *chain* per request. In a chain, GOOSE's contribution is its spine: the
+context n-gram match over the request's whole context (earliest occurrence, longest n first), the chain
+extension of confident matches, and a chain length chosen per request from what it is worth::
+
+    LLM(model, speculative_config={"method": "custom_class", "num_speculative_tokens": 16,
+                                   "model": "goose.integrations.vllm.GooseProposer"})
+
+Per engine step vLLM calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)``: for every
+row of its batch, the tokens sampled this step (accepted draft tokens + the bonus token) and the row's
+whole context. For each row the proposer
+
+1. finds the request's state (an incremental `NgramIndex` over its context) and extends it by the new
+   tokens only (O(new tokens) per step; the context is never rescanned);
+2. scores last step's draft: ``len(sampled) - 1`` of its tokens were accepted, which updates the online
+   acceptance model (Beta-smoothed counts per (match kind, n, depth));
+3. proposes GOOSE's spine (`NgramIndex.propose` + `propose_extended`) and gives each token its path
+   probability (product of the acceptance probabilities along the chain).
+
+Then one allocation over the whole batch cuts every chain: tokens are taken in decreasing path
+probability p while ``p > slope * N / C`` — adding a token of marginal verify cost ``slope`` raises the
+step's expected tokens per second N / C. The cost model ``C(T) = 1 + slope * T`` (in units of a
+one-token step) is fitted online from the wall time between consecutive ``propose`` calls (one engine
+step: schedule, forward over T verified tokens, sample) against T, so the same code picks short chains
+where verifying is expensive (a busy CPU batch) and long ones where it is nearly free (a GPU at batch 1).
+
+vLLM hands the proposer no request ids. A request's state is found by its content: the row it had last
+step if its context still starts with the indexed tokens (first and last tokens compared), else any
+unclaimed state whose tokens the row's context extends (requests move rows when others finish), else a
+new one. States no row claimed for ``state_ttl`` steps are dropped (finished or long-preempted
+requests). A mismatch can only cost acceptance, never correctness: vLLM verifies every drafted token.
+
+This module imports neither vLLM nor torch; its logic is tested without vLLM
+(tests/test_integrations_vllm.py) and, from ``.venv-vllm`` (``make vllm``), inside vLLM on CPU
+(tests/test_vllm_real.py). Token Recycling successors are not drafted here: they are rarely accepted
+in a chain (4-8% against 50-63% for spine tokens, measured) and vLLM gives a proposer no logits to
+harvest them from.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..acceptance import CONSENSUS, LONG, SHORT, match_kind
+from ..config import NgramConfig
+from ..ngram import NgramIndex, Proposal
+
+_DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # depth buckets of the acceptance model
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    """Defaults of `GooseProposer` (vLLM gives custom proposers no options: subclass to change them)."""
+
+    ngram: NgramConfig = field(default_factory=lambda: NgramConfig(ngram_sizes=(5, 4, 3, 2)))
+    # P(token accepted | previous accepted) before any observation, by match kind (consensus, >= 8, short)
+    prior: tuple[float, float, float] = (0.8, 0.6, 0.4)
+    prior_strength: float = 4.0  # pseudo-trials behind each prior
+    weak_ngram: int = 2  # matches of this n or shorter get the short prior whatever their length
+    max_prob: float = 0.98
+    # verify cost: C(T) = 1 + slope * T in units of a one-token step; slope starts at the prior and is
+    # fitted online from step times once `cost_min_samples` clean steps with different T were seen
+    cost_prior_slope: float = 0.03
+    cost_prior_weight: float = 32.0  # pseudo-samples behind the prior slope
+    cost_window: int = 512  # recent (T, seconds) samples kept for the fit
+    cost_min_samples: int = 16
+    cost_outlier: float = 4.0  # a step slower than this many times the prediction is not a sample
+    min_prob: float = 0.02  # never draft a token below this path probability
+    state_ttl: int = 64  # steps a request's state survives without being seen
+    head: int = 16  # leading tokens that identify a request's context
+
+
+def _bucket(depth: int) -> int:
+    for i, edge in enumerate(_DEPTH_EDGES):
+        if depth <= edge:
+            return i
+    return len(_DEPTH_EDGES)
+
+
+class ChainAcceptance:
+    """Online P(draft token d accepted | tokens 1..d-1 accepted), per (match kind, n, depth bucket)."""
+
+    def __init__(self, cfg: ProposerConfig) -> None:
+        self.cfg = cfg
+        self.counts: dict[tuple[int, int, int], list[float]] = {}  # key -> [accepted, trials]
+
+    def kind(self, prop: Proposal) -> int:
+        if prop.ngram <= self.cfg.weak_ngram and not prop.consensus:
+            return SHORT
+        return match_kind(prop.consensus, len(prop.chain))
+
+    def prob(self, kind: int, ngram: int, depth: int) -> float:
+        acc, trials = self.counts.get((kind, ngram, _bucket(depth)), (0.0, 0.0))
+        s = self.cfg.prior_strength
+        return min(self.cfg.max_prob, (acc + s * self.cfg.prior[kind]) / (trials + s))
+
+    def path_probs(self, kind: int, ngram: int, length: int) -> list[float]:
+        """Probability that the first d tokens are all accepted, d = 1..length (non-increasing)."""
+        out, p = [], 1.0
+        for d in range(1, length + 1):
+            p *= self.prob(kind, ngram, d)
+            out.append(p)
+        return out
+
+    def update(self, kind: int, ngram: int, drafted: int, accepted: int) -> None:
+        """A chain of `drafted` tokens of which the first `accepted` were accepted."""
+        for d in range(1, min(drafted, accepted + 1) + 1):
+            c = self.counts.setdefault((kind, ngram, _bucket(d)), [0.0, 0.0])
+            c[1] += 1.0
+            if d <= accepted:
+                c[0] += 1.0
+
+
+class StepCost:
+    """Online model of one engine step's wall time: C(T) = a * (1 + slope * T), T verified tokens.
+
+    Only the relative slope matters to the allocation. It is the least-squares slope of the recent
+    (T, seconds) samples divided by their intercept, shrunk towards the prior by `cost_prior_weight`
+    pseudo-samples, and kept in [0, 1]."""
+
+    def __init__(self, cfg: ProposerConfig) -> None:
+        self.cfg = cfg
+        self.samples: deque[tuple[int, float]] = deque(maxlen=cfg.cost_window)
+        self.slope = cfg.cost_prior_slope
+        self._scale: float | None = None  # seconds of a one-token step (a), once fitted
+
+    def predict(self, tokens: int) -> float | None:
+        return None if self._scale is None else self._scale * (1.0 + self.slope * tokens)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        pred = self.predict(tokens)
+        if pred is not None and seconds > self.cfg.cost_outlier * pred:
+            return  # an idle gap or a hiccup, not a step
+        self.samples.append((tokens, seconds))
+        self._fit()
+
+    def _fit(self) -> None:
+        n = len(self.samples)
+        if n < 2:
+            self._scale = self.samples[0][1] / (1.0 + self.slope * self.samples[0][0]) if n else None
+            return
+        xs = [t for t, _ in self.samples]
+        ys = [s for _, s in self.samples]
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        prior = self.cfg.cost_prior_slope
+        if sxx <= 0 or n < self.cfg.cost_min_samples:
+            slope = prior
+        else:
+            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+            a = my - b * mx
+            fitted = b / a if a > 0 else 1.0
+            w = self.cfg.cost_prior_weight
+            slope = (n * fitted + w * prior) / (n + w)
+        self.slope = min(1.0, max(0.0, slope))
+        self._scale = my / (1.0 + self.slope * mx)
+
+
+def allocate(chains: Sequence[Sequence[float]], slope: float, min_prob: float = 0.0) -> list[int]:
+    """How many tokens of each chain to verify this step.
+
+    `chains[r][d-1]` is the probability that the first d tokens of row r's chain are accepted
+    (non-increasing in d). With every row producing one token anyway, tokens are added in decreasing
+    probability while each raises expected tokens per unit cost, N / C with C = 1 + slope * T."""
+    rows = len(chains)
+    n_tok = float(rows)  # each row yields at least its bonus token
+    cost = 1.0 + slope * rows
+    take = [0] * rows
+    heap = [(-c[0], r) for r, c in enumerate(chains) if c]
+    heapq.heapify(heap)
+    while heap:
+        neg_p, r = heapq.heappop(heap)
+        p = -neg_p
+        if p < min_prob or p * cost <= slope * n_tok:
+            break  # every remaining token is at most this likely
+        take[r] += 1
+        n_tok += p
+        cost += slope
+        if take[r] < len(chains[r]):
+            heapq.heappush(heap, (-chains[r][take[r]], r))
+    return take
+
+
+class _Request:
+    """One request's drafting state: its n-gram index and the draft awaiting verification."""
+
+    __slots__ = ("index", "head", "idle", "draft_len", "kind", "ngram")
+
+    def __init__(self, cfg: NgramConfig, context: list[int], head: int) -> None:
+        self.index = NgramIndex.from_config(cfg)
+        self.index.extend(context)
+        self.head = tuple(context[:head])
+        self.idle = 0
+        self.draft_len = 0
+        self.kind = SHORT
+        self.ngram = 0
+
+    def continues(self, row_tokens, n: int) -> bool:
+        """Whether a context of `n` tokens (a row of vLLM's token array) extends the indexed tokens."""
+        toks = self.index.tokens
+        m = len(toks)
+        if n < m or tuple(row_tokens[: len(self.head)].tolist()) != self.head:
+            return False
+        tail = min(m, 8)
+        return tail == 0 or row_tokens[m - tail : m].tolist() == toks[m - tail :]
+
+
+class GooseProposer:
+    """vLLM's custom proposer: built as ``GooseProposer(vllm_config)``, then ``load_model(model)``;
+    ``propose`` returns one chain (possibly empty) per row of the batch."""
+
+    config = ProposerConfig()
+
+    def __init__(self, vllm_config: Any = None, *, num_speculative_tokens: int | None = None,
+                 max_model_len: int | None = None, config: ProposerConfig | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        spec = getattr(vllm_config, "speculative_config", None)
+        model_cfg = getattr(vllm_config, "model_config", None)
+        self.k = int(num_speculative_tokens or getattr(spec, "num_speculative_tokens", None) or 16)
+        self.max_model_len = int(max_model_len or getattr(model_cfg, "max_model_len", None) or 1 << 30)
+        self.cfg = config or self.config
+        self.acceptance = ChainAcceptance(self.cfg)
+        self.cost = StepCost(self.cfg)
+        self.clock = clock
+        self._states: list[_Request] = []  # every live request state
+        self._rows: dict[int, _Request] = {}  # batch row -> state, as of the last call
+        self._last_return: float | None = None
+        self._last_tokens = 0  # tokens verified by the step that follows the last call
+        self.stats = {"steps": 0, "drafted": 0, "accepted": 0}
+
+    def load_model(self, *args, **kwargs) -> None:
+        """Nothing to load: drafting reads only the context."""
+
+    # -- request state ------------------------------------------------------------------------------
+    def _claim(self, row: int, row_tokens, n: int, claimed: set[int]) -> tuple[_Request, bool]:
+        """The state of the request in `row` (found by content), and whether it already existed."""
+        st = self._rows.get(row)
+        if st is not None and id(st) not in claimed and st.continues(row_tokens, n):
+            return st, True
+        best = None
+        for cand in self._states:  # moved rows: the longest unclaimed state this context extends
+            if id(cand) not in claimed and (best is None or len(cand.index.tokens) > len(best.index.tokens)) \
+                    and cand.continues(row_tokens, n):
+                best = cand
+        if best is not None:
+            return best, True
+        st = _Request(self.cfg.ngram, row_tokens[:n].tolist(), self.cfg.head)
+        self._states.append(st)
+        return st, False
+
+    def _expire(self, claimed: set[int]) -> None:
+        keep = []
+        for st in self._states:
+            st.idle = 0 if id(st) in claimed else st.idle + 1
+            if st.idle <= self.cfg.state_ttl:
+                keep.append(st)
+        self._states = keep
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._states)
+
+    # -- the vLLM contract --------------------------------------------------------------------------
+    def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec, token_ids_cpu,
+                *args, **kwargs) -> list[list[int]]:
+        now = self.clock()
+        rows = len(sampled_token_ids)
+        claimed: set[int] = set()
+        new_rows: dict[int, _Request] = {}
+        clean = self._last_return is not None  # this step's time is a cost sample unless a prefill ran
+        proposals: list[tuple[int, _Request, Proposal]] = []
+        for r in range(rows):
+            sampled = sampled_token_ids[r]
+            if len(sampled) == 0:  # partial prefill or discarded: no draft
+                clean = False
+                continue
+            n = int(num_tokens_no_spec[r])
+            row_tokens = token_ids_cpu[r]
+            st, known = self._claim(r, row_tokens, n, claimed)
+            claimed.add(id(st))
+            new_rows[r] = st
+            if not known:
+                clean = False
+            else:
+                grown = n - len(st.index.tokens)
+                if grown != len(sampled):
+                    clean = False  # not a plain decode step for this row
+                elif st.draft_len:
+                    accepted = min(st.draft_len, grown - 1)
+                    self.acceptance.update(st.kind, st.ngram, st.draft_len, accepted)
+                    self.stats["accepted"] += accepted
+                if grown:
+                    st.index.extend(row_tokens[n - grown : n].tolist())
+            st.draft_len = 0
+            if n + 1 >= self.max_model_len:
+                continue
+            prop = st.index.propose()
+            if prop.chain:
+                prop = st.index.propose_extended(self.cfg.ngram, prop)
+                limit = min(self.k, self.max_model_len - n - 1)
+                proposals.append((r, st, Proposal(prop.chain[:limit], prop.ngram, prop.occurrences,
+                                                  prop.consensus)))
+        if clean and self._last_tokens:
+            self.cost.observe(self._last_tokens, now - self._last_return)
+
+        chains = []
+        for _, st, prop in proposals:
+            st.kind, st.ngram = self.acceptance.kind(prop), prop.ngram
+            chains.append(self.acceptance.path_probs(st.kind, st.ngram, len(prop.chain)))
+        take = allocate(chains, self.cost.slope, self.cfg.min_prob)
+        out: list[list[int]] = [[] for _ in range(rows)]
+        for (r, st, prop), t in zip(proposals, take):
+            out[r] = list(prop.chain[:t])
+            st.draft_len = t
+        self._rows = new_rows
+        self._expire(claimed)
+        self._last_tokens = len(new_rows) + sum(take)
+        self.stats["steps"] += 1
+        self.stats["drafted"] += sum(take)
+        self._last_return = self.clock()
+        return out
