@@ -216,3 +216,65 @@ def test_truncated_gguf_file_is_a_one_line_error(tmp_path):
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 10)
     with pytest.raises(GooseError, match="cannot read GGUF"):
         quant.use_gguf_weights(None, bad)
+
+
+# ---- the packaged SmolLM2 (Q4_1 blocks, Q8_0 embedding / tied head) ---------------------------------------
+
+REAL_PROMPTS = [
+    "Write a short story about a goose who learns to fly.",
+    "List three facts about the Moon.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Explain what a hash table is to a ten-year-old.",
+    "Translate to French: The weather is nice today and we are going to the beach.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "What are the main differences between Python lists and tuples?",
+    "Give me a recipe for pancakes.",
+    "Rename the variable `x` to `count` in: def bump(x):\n    x = x + 1\n    return x\n",
+    "Why is the sky blue?",
+    "Write a haiku about autumn leaves.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm_pair():
+    from goose.model import load_model
+
+    q, tok = load_model("smollm2-135m", weights="gguf")
+    f, _ = load_model("smollm2-135m", weights="float32")
+    return q, f, tok
+
+
+@pytest.mark.slow
+@needs_quant
+def test_packaged_smollm2_blocks_are_the_dequantized_weights(smollm_pair):
+    q, f, _ = smollm_pair
+    assert type(q.model.layers[0].self_attn.q_proj) is quant.QuantLinear
+    assert q.lm_head.weight is q.model.embed_tokens.weight  # tied head: one copy of the Q8_0 blocks
+    for lq, lf in zip(q.model.layers, f.model.layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
+            a, b = lq.get_submodule(name).weight, lf.get_submodule(name).weight
+            assert torch.equal(bits(a.dequantize()), bits(b.detach()))
+    assert torch.equal(bits(q.model.embed_tokens.weight.dequantize()), bits(f.model.embed_tokens.weight.detach()))
+
+
+@pytest.mark.slow
+@needs_quant
+@pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
+def test_packaged_smollm2_gguf_tokens_equal_float32_ar(smollm_pair):
+    """goose (and ar) on the blocks produce exactly the tokens of ar on the dequantized float32 model; the
+    logits are bit-identical, so not even a near-tie can flip (any difference is reported with its logits)."""
+    from goose.decoding import Decoder
+
+    q, f, tok = smollm_pair
+    ref, got_ar, got_goose = Decoder(f, tok, "ar"), Decoder(q, tok, "ar"), Decoder(q, tok, "goose")
+    for text in REAL_PROMPTS:
+        ids = ref.encode(text, chat=True)
+        want = ref.generate(ids, 48).token_ids
+        for dec in (got_ar, got_goose):
+            got = dec.generate(ids, 48).token_ids
+            if got != want:
+                from goose.cli import first_mismatch
+
+                pytest.fail(f"{text[:30]!r}: {first_mismatch(f, ids, want, got)}")

@@ -22,6 +22,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         f"(default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--weights", choices=["gguf", "float32"], default=None,
+                   help="GGUF sources: gguf = multiply with the file's quantized blocks (same weights, "
+                        "bit-identical logits, ~1/5 of the memory); float32 = the dequantized weights "
+                        "(default: gguf where it applies)")
 
 
 def positive_int(text: str) -> int:
@@ -133,7 +137,7 @@ def cmd_generate(args) -> int:
     if args.stream and args.verify:
         raise GooseError("--verify compares the finished tokens with ar; it cannot be combined with --stream")
     options = sampling_options(args)
-    model, tok = load_model(args.model, args.dtype, args.device)
+    model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights)
     dec = Decoder(model, tok, args.method)
     ids = dec.encode(prompt, chat=args.chat)
     if args.stream:
@@ -176,7 +180,7 @@ def cmd_profile(args) -> int:
     from .decoding import default_forward
     from .model import load_model
 
-    model, _ = load_model(args.model, args.dtype, args.device)
+    model, _ = load_model(args.model, args.dtype, args.device, weights=args.weights)
     fwd = default_forward(model)
     curve = load_or_measure(model, fwd, remeasure=args.remeasure)
     why = cpukernel.unavailable_reason()
@@ -280,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import register as register_bench
 
     register_bench(sub)  # bench, report, demo
+    from .server.cli import register as register_serve
+
+    register_serve(sub)  # serve, bench-serve
     return parser
 
 
