@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from .. import cachefs
 from ..cli import add_model_args, add_sampling_args, positive_int, sampling_options
 from ..errors import GooseError
 from ..model import DEFAULT_MODEL
@@ -90,7 +91,7 @@ def render_dir(out: Path) -> Path:
     write_summary(out, summary)
     plots = write_plots(summary, out)
     path = out / "report.md"
-    path.write_text(render(summary, plots), encoding="utf-8")
+    cachefs.write_text(path, render(summary, plots))
     print(console_table(summary))
     return path
 
