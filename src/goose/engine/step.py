@@ -33,6 +33,7 @@ from ..lean import Segment
 from ..sampling import Chooser
 from ..selector import Candidates, allocate
 from ..stats import Stats
+from ..tree import ROOT
 from ..tree_tensors import ancestor_mask, is_chain, tree_depths
 
 PREFILL, DECODE, DONE = "prefill", "decode", "done"
@@ -58,6 +59,7 @@ class Slot:
     prev: int = -1  # token before the next prefill chunk
     t0: float = 0.0
     new: list[int] = field(default_factory=list)  # tokens committed by the last step
+    new_sources: list[int] = field(default_factory=list)  # per token of `new`: SPINE, BRANCH or ROOT (the target's own)
     stage_ms: dict[str, float] = field(default_factory=dict)
     # per step, set by `step`
     _tree: object = None
@@ -87,8 +89,9 @@ class Slot:
     def done(self) -> bool:
         return self.state == DONE
 
-    def commit(self, new: list[int]) -> None:
-        """Append `new`, cut at max_new_tokens, a stop token or `stop`."""
+    def commit(self, new: list[int], sources: list[int] | None = None) -> None:
+        """Append `new`, cut at max_new_tokens, a stop token or `stop`. `sources`: the draft source of each
+        token (default: all ROOT, the target's own tokens), kept in `new_sources`."""
         cfg, out = self.cfg, self.out
         new = new[: cfg.max_new_tokens - len(out)]
         reason = "length" if len(out) + len(new) >= cfg.max_new_tokens else None
@@ -98,6 +101,7 @@ class Slot:
                 break
         out.extend(new)
         self.new = new
+        self.new_sources = [ROOT] * len(new) if sources is None else list(sources[: len(new)])
         self.stats.new_tokens = len(out)
         self.stats.wall_time_s = time.perf_counter() - self.t0
         if reason is not None:
@@ -131,7 +135,7 @@ def step(forward, slots: list[Slot], cost=None, prefill_budget: int | None = Non
 
 def _step(forward, slots: list[Slot], cost, budget: int | None) -> None:
     for s in slots:
-        s.new = []
+        s.new, s.new_sources = [], []
     decoding = [s for s in slots if s.state == DECODE]
     clock = _Clock(decoding)
     # 1. draft (decoding slots) and prefill chunks (token budget shared by the prefilling slots)
@@ -207,7 +211,8 @@ def _step(forward, slots: list[Slot], cost, budget: int | None) -> None:
         s.method.harvest(tokens, prevs, logits)  # 7. harvest
         s.method.observe(tree, walk)
         t = _add(s, "harvest", t)
-        s.commit([tree.tokens[i] for i in walk.path[1:]] + [walk.bonus])  # 8. commit
+        s.commit([tree.tokens[i] for i in walk.path[1:]] + [walk.bonus],  # 8. commit
+                 [tree.sources[i] for i in walk.path[1:]] + [ROOT])
         s.method.commit(s.new)
         s.stats.record_step(tree, walk)
         _add(s, "commit", t)

@@ -1,0 +1,253 @@
+"""`goose bench-serve`: a bounded load benchmark of any OpenAI-compatible server on this machine.
+
+For each client concurrency (1, 2, 4, 8 by default) it sends greedy streaming chat requests (the first turn of
+each prompt, `max_tokens` each) through the `openai` async client and measures output tokens per second over
+the level's wall time, time to first token and time per output token (p50 / p95), errors, and whether every
+prompt's text equals its text at the first level. A soak then sends N more requests at the highest
+concurrency and closes a random ~20% of the streams early (client cancellations), and reads the server's
+/metrics (when it has them) for running requests and resident memory before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..errors import GooseError
+
+
+@dataclass
+class Sample:
+    prompt: int
+    ok: bool
+    text: str = ""
+    tokens: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float = 0.0
+    cancelled: bool = False
+    error: str | None = None
+    tau: float | None = None
+
+
+@dataclass
+class Level:
+    name: str
+    concurrency: int
+    requests: int
+    wall_s: float
+    tokens: int
+    errors: int
+    cancelled: int
+    tok_s: float
+    req_s: float
+    ttft_p50: float | None
+    ttft_p95: float | None
+    tpot_p50: float | None
+    tpot_p95: float | None
+    tau: float | None
+    identical: str = "-"  # texts equal to the first level's, "n/m"
+    first_error: str | None = None
+    texts: dict = field(default_factory=dict, repr=False)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    k = (len(v) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (k - lo)
+
+
+async def one_request(client, model: str, prompt: str, i: int, max_tokens: int, extra: dict,
+                      cancel_after: int | None = None) -> Sample:
+    t0 = time.perf_counter()
+    first = None
+    pieces: list[str] = []
+    usage = None
+    tau = None
+    chunks = 0
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body=extra or None)
+        async for ch in stream:
+            if ch.choices and ch.choices[0].delta.content:
+                if first is None:
+                    first = time.perf_counter()
+                pieces.append(ch.choices[0].delta.content)
+                chunks += 1
+                if cancel_after is not None and chunks >= cancel_after:
+                    await stream.close()
+                    return Sample(i, True, "".join(pieces), chunks, first - t0, None, time.perf_counter() - t0,
+                                  cancelled=True)
+            if ch.usage is not None:
+                usage = ch.usage
+                g = (ch.model_extra or {}).get("goose")
+                tau = g.get("tau") if isinstance(g, dict) else None
+    except Exception as exc:  # counted, never raised: a benchmark reports errors
+        return Sample(i, False, error=f"{type(exc).__name__}: {str(exc)[:200]}", e2e_s=time.perf_counter() - t0)
+    end = time.perf_counter()
+    n = usage.completion_tokens if usage is not None else chunks
+    tpot = (end - first) / (n - 1) if first is not None and n > 1 else None
+    return Sample(i, True, "".join(pieces), n, None if first is None else first - t0, tpot, end - t0, tau=tau)
+
+
+async def run_level(client, model: str, prompts: list[str], concurrency: int, n_requests: int, max_tokens: int,
+                    extra: dict, timeout: float, name: str, cancel_rate: float = 0.0, seed: int = 0) -> Level:
+    rng = random.Random(seed)
+    order = [i % len(prompts) for i in range(n_requests)]
+    plan = [(i, rng.randrange(1, 8) if rng.random() < cancel_rate else None) for i in order]
+    samples: list[Sample] = []
+    queue = list(reversed(plan))
+
+    async def worker():
+        while queue:
+            i, cancel_after = queue.pop()
+            samples.append(await one_request(client, model, prompts[i], i, max_tokens, extra, cancel_after))
+
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    for t in pending:
+        t.cancel()
+    wall = time.perf_counter() - t0
+    full = [s for s in samples if s.ok and not s.cancelled]
+    errors = [s for s in samples if not s.ok] + [None] * len(pending)
+    taus = [s.tau for s in full if s.tau is not None]
+    toks = sum(s.tokens for s in samples if s.ok)
+    texts: dict = {}
+    for s in full:
+        texts.setdefault(s.prompt, set()).add(s.text)
+    return Level(name, concurrency, len(samples), wall, toks, len(errors), sum(s.cancelled for s in samples),
+                 toks / wall if wall > 0 else 0.0, len(full) / wall if wall > 0 else 0.0,
+                 pct([s.ttft_s for s in full if s.ttft_s is not None], 0.5),
+                 pct([s.ttft_s for s in full if s.ttft_s is not None], 0.95),
+                 pct([s.tpot_s for s in full if s.tpot_s is not None], 0.5),
+                 pct([s.tpot_s for s in full if s.tpot_s is not None], 0.95),
+                 statistics.fmean(taus) if taus else None,
+                 first_error=next((s.error for s in samples if s.error), "timed out" if pending else None),
+                 texts=texts)
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
+
+
+async def scrape(base: str) -> dict:
+    """Numbers from the server's /metrics (goose's; empty when it has none)."""
+    try:
+        text = await asyncio.to_thread(_get, base.rstrip("/").removesuffix("/v1") + "/metrics")
+    except Exception:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        for name in ("goose_requests_running", "goose_requests_waiting", "process_resident_memory_bytes"):
+            if line.startswith(name + " "):
+                out[name] = float(line.split()[-1])
+    return out
+
+
+def fmt(x, scale=1.0, digits=0) -> str:
+    return "-" if x is None else f"{x * scale:.{digits}f}"
+
+
+def table(levels: list[Level]) -> str:
+    rows = ["| run | concurrency | requests | errors | output tok/s | req/s | TTFT p50 / p95 ms | "
+            "TPOT p50 / p95 ms | τ | identical texts |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for lv in levels:
+        rows.append(f"| {lv.name} | {lv.concurrency} | {lv.requests} | {lv.errors} | {lv.tok_s:.1f} | "
+                    f"{lv.req_s:.2f} | {fmt(lv.ttft_p50, 1e3)} / {fmt(lv.ttft_p95, 1e3)} | "
+                    f"{fmt(lv.tpot_p50, 1e3, 1)} / {fmt(lv.tpot_p95, 1e3, 1)} | {fmt(lv.tau, 1, 2)} | "
+                    f"{lv.identical} |")
+    return "\n".join(rows)
+
+
+async def bench(url: str, model: str | None, api_key: str, concurrencies: list[int], n_requests: int | None,
+                prompts: list[str], max_tokens: int, extra: dict, soak: int, timeout: float, seed: int,
+                label: str) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=timeout)
+    if model is None:
+        model = (await client.models.list()).data[0].id
+    levels: list[Level] = []
+    for c in concurrencies:
+        n = n_requests or max(len(prompts), 2 * c)
+        lv = await run_level(client, model, prompts, c, n, max_tokens, extra, timeout, label, seed=seed)
+        if levels:
+            ref = levels[0].texts
+            same = sum(1 for i, t in lv.texts.items() if i in ref and t == ref[i] and len(t) == 1)
+            lv.identical = f"{same}/{len(lv.texts)}"
+        else:
+            lv.identical = f"{sum(1 for t in lv.texts.values() if len(t) == 1)}/{len(lv.texts)}"
+        levels.append(lv)
+        print(f"  concurrency {c}: {lv.tok_s:.1f} tok/s, {lv.errors} errors", file=sys.stderr, flush=True)
+    result = {"url": url, "model": model, "max_tokens": max_tokens, "extra": extra,
+              "levels": [{k: v for k, v in asdict(lv).items() if k != "texts"} for lv in levels]}
+    if soak:
+        before = await scrape(url)
+        c = max(concurrencies)
+        lv = await run_level(client, model, prompts, c, soak, max_tokens, extra, timeout, label + " soak",
+                             cancel_rate=0.2, seed=seed + 1)
+        await asyncio.sleep(1.0)
+        after = await scrape(url)
+        rss = (before.get("process_resident_memory_bytes"), after.get("process_resident_memory_bytes"))
+        result["soak"] = {"requests": lv.requests, "errors": lv.errors, "cancelled": lv.cancelled,
+                          "tok_s": lv.tok_s, "wall_s": lv.wall_s, "first_error": lv.first_error,
+                          "running_after": after.get("goose_requests_running"),
+                          "waiting_after": after.get("goose_requests_waiting"),
+                          "rss_before_mb": None if rss[0] is None else rss[0] / 2**20,
+                          "rss_after_mb": None if rss[1] is None else rss[1] / 2**20}
+        levels.append(lv)
+    result["table"] = table(levels)
+    await client.close()
+    return result
+
+
+def run_cli(args) -> int:
+    from ..bench import datasets
+    from .cli import check_loopback
+
+    check_loopback(args.url)
+    try:
+        concurrencies = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
+    except ValueError:
+        raise GooseError(f"--concurrency must be comma-separated integers, got '{args.concurrency}'") from None
+    if not concurrencies or min(concurrencies) < 1 or max(concurrencies) > 64:
+        raise GooseError("--concurrency levels must be in 1..64")
+    extra = {}
+    if args.extra_body:
+        try:
+            extra = json.loads(args.extra_body)
+        except json.JSONDecodeError as exc:
+            raise GooseError(f"--extra-body is not JSON: {exc}") from None
+        if not isinstance(extra, dict):
+            raise GooseError("--extra-body must be a JSON object")
+    if args.speculative:
+        extra["speculative"] = args.speculative
+    prompts = [q.turns[0] for q in datasets.load(args.prompts, limit=args.limit)]
+    print(f"bench-serve: {args.url}, {len(prompts)} prompts, max_tokens {args.max_tokens}, concurrency "
+          f"{','.join(map(str, concurrencies))}" + (f", soak {args.soak}" if args.soak else ""), file=sys.stderr)
+    result = asyncio.run(bench(args.url, args.model, args.api_key, concurrencies, args.requests, prompts,
+                               args.max_tokens, extra, args.soak, args.timeout, args.seed, args.label or args.url))
+    print(result["table"])
+    if "soak" in result:
+        s = result["soak"]
+        print(f"soak: {s['requests']} requests, {s['cancelled']} cancelled by the client, {s['errors']} errors; "
+              f"running after: {s['running_after']}, RSS {fmt(s['rss_before_mb'])} -> {fmt(s['rss_after_mb'])} MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    failed = sum(lv["errors"] for lv in result["levels"]) + (result.get("soak") or {}).get("errors", 0)
+    return 1 if failed else 0

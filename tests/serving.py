@@ -1,0 +1,35 @@
+"""A live goose server for tests: `create_app` under uvicorn on a random free loopback port, in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+
+@contextlib.contextmanager
+def live_server(engine, model_name: str = "tiny", **app_kw):
+    """Yields the server's base URL (``http://127.0.0.1:PORT``); stops the server (not the engine) on exit."""
+    import uvicorn
+
+    from goose.server.app import create_app
+
+    app = create_app(engine, model_name, close_engine=False, **app_kw)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
