@@ -368,3 +368,29 @@ def test_resume_keeps_the_first_runs_record(run_dir, tmp_path):
     assert after["platform"] == meta["platform"] and after["git_commit"] == meta["git_commit"]
     assert after["git_commits"] == [meta["git_commit"], "abc"]
     assert after["commands"] == meta["commands"] + ["goose bench (again)"]
+
+
+def test_cli_bench_concurrency(tiny, tmp_path, capsys):
+    """`--concurrency`: every method through one Engine, the lossless column against `ar` alone, and
+    percentiles of TTFT / TPOT in the report; hf methods are refused there."""
+    import json
+
+    from goose.cli import main
+
+    mdir = saved(tiny, tmp_path)
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"id": i, "category": "x", "turns": [t]}) + "\n" for i, t in
+                            enumerate(["Write a short story about a robot", "What is the capital of France ?",
+                                       "a b c a b c a b", "One two three"])))
+    out = tmp_path / "out"
+    argv = ["bench", "--model", str(mdir), "--dataset", f"jsonl:{data}", "--methods", "goose,pld",
+            "--max-new-tokens", "12", "--out", str(out), "--concurrency", "3"]
+    assert main(argv) == 0
+    rows = json.loads((out / "concurrency.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["ar", "goose", "pld"]
+    assert all(r["identical"] == r["requests"] == 4 and r["tokens"] > 0 for r in rows)
+    assert all(0 <= r["ttft_p50_s"] <= r["ttft_p95_s"] for r in rows)
+    assert "| goose |" in (out / "concurrency.md").read_text()
+    assert main(argv[:-2] + ["--rate", "50"]) == 0  # Poisson arrivals
+    assert main(argv[:6] + ["hf-ar"] + argv[7:]) == 2
+    assert "cannot run there" in capsys.readouterr().err

@@ -97,11 +97,42 @@ def render_dir(out: Path) -> Path:
 
 
 def cmd_bench(args) -> int:
+    if args.engine == "vllm":  # vLLM's methods and GooseProposer, from the vLLM venv (bench/vllm_engine.py)
+        from .vllm_engine import VLLM_METHODS, cmd_bench_vllm
+
+        args.methods = VLLM_METHODS if args.methods == DEFAULT_METHODS else args.methods
+        questions = datasets.load(args.dataset, _split(args.categories), args.limit)
+        return cmd_bench_vllm(args, questions, sys.argv[1:])
     args.methods = parse_methods(args.methods)
     questions = datasets.load(args.dataset, _split(args.categories), args.limit)
     if not questions:
         raise GooseError(f"dataset '{args.dataset}' gave no questions")
+    if args.concurrency is not None or args.rate is not None:
+        return run_concurrency(args, questions)
     return run_bench(args, questions, args.dataset, sys.argv[1:])
+
+
+def run_concurrency(args, questions: list) -> int:
+    """`--concurrency N` / `--rate R`: the methods on one Engine each, N requests in flight."""
+    import torch
+
+    from ..methods import METHODS
+    from ..model import load_model
+    from .concurrency import run
+
+    if args.rate is not None and not args.rate > 0:
+        raise GooseError(f"--rate must be > 0 requests per second, got {args.rate}")
+    other = [m for m in args.methods if m not in METHODS]
+    if other:
+        raise GooseError(f"--concurrency runs goose's methods on its engine; {', '.join(other)} cannot run there")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    methods = list(dict.fromkeys(["ar"] + args.methods))
+    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
+    path = run(model, tok, questions, methods, args.max_new_tokens, args.concurrency or 1, args.rate, args.chat,
+               Path(args.out), sampling_options(args))
+    print(f"\nreport: {path}")
+    return 0
 
 
 def cmd_report(args) -> int:
@@ -165,6 +196,14 @@ def register(sub) -> None:
                         "jsonl:PATH; several joined by commas")
     b.add_argument("--categories", help="comma-separated categories to keep")
     b.add_argument("--limit", type=int, help="first N questions of each category")
+    b.add_argument("--engine", choices=("goose", "vllm"), default="goose",
+                   help="vllm: vLLM's plain/ngram/suffix and goose's GooseProposer (--methods from "
+                        "plain,ngram,suffix,goose), run from the venv of `make vllm`")
+    b.add_argument("--concurrency", type=positive_int,
+                   help="serve the questions through one Engine per method with N requests in flight (aggregate "
+                        "tokens/s, TTFT and TPOT percentiles, lossless column); writes OUT/concurrency.md")
+    b.add_argument("--rate", type=float,
+                   help="with --concurrency: Poisson arrivals of R requests per second (default: all at once)")
     _common(b, 256, "runs/bench", DEFAULT_METHODS)
     b.set_defaults(func=cmd_bench)
 
