@@ -414,7 +414,12 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
                 return
             tail = emitter.finish()
             if tail:
-                yield chunk(tail)
+                extra = None
+                if want_sources:
+                    st = req.slot.stats
+                    extra = {"goose": {"pieces": [[tail, "bonus"]], "tokens": len(emitter.ids),
+                                       "forward_calls": st.forward_calls}}
+                yield chunk(tail, extra=extra)
             reason = "stop" if emitter.stopped else req.finish_reason
             info = {"goose": goose_info(req)}
             yield chunk(None, reason, extra=None if include_usage else info)
