@@ -202,13 +202,16 @@ def test_fusing_keeps_one_copy():
 
 def test_unknown_weights_kind_is_refused():
     with pytest.raises(GooseError):
-        quant.apply_weights(None, "smollm2-135m", "int4", torch.float32, torch.device("cpu"))
+        quant.load_gguf_model(None, "smollm2-135m", "int4", torch.float32, torch.device("cpu"), "sdpa")
 
 
 def test_explicit_gguf_needs_a_gguf_source(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(GooseError, match="GGUF"):
-        quant.apply_weights(None, str(tmp_path), "gguf", torch.float32, torch.device("cpu"))
+        quant.load_gguf_model(tmp_path, str(tmp_path), "gguf", torch.float32, torch.device("cpu"), "sdpa")
+    with pytest.raises(GooseError, match="float32 on the CPU"):
+        quant.load_gguf_model(tmp_path, "smollm2-135m", "gguf", torch.float64, torch.device("cpu"), "sdpa")
+    assert quant.load_gguf_model(tmp_path, str(tmp_path), None, torch.float32, torch.device("cpu"), "sdpa") is None
 
 
 def test_truncated_gguf_file_is_a_one_line_error(tmp_path):
@@ -278,3 +281,35 @@ def test_packaged_smollm2_gguf_tokens_equal_float32_ar(smollm_pair):
                 from goose.cli import first_mismatch
 
                 pytest.fail(f"{text[:30]!r}: {first_mismatch(f, ids, want, got)}")
+
+
+def _write_gguf(path, raw: np.ndarray, fmt: str, k: int):
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=GGMLQuantizationType[fmt])
+    w.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q6_K"])
+def test_gguf_reader_reads_what_gguf_writes_and_refuses_truncation(tmp_path, fmt):
+    rng = np.random.default_rng(1)
+    raw = random_blocks(fmt, 16, 256, rng)
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, raw, fmt, 256)
+    meta, tensors = quant.read_gguf(path)
+    t = tensors["blk.0.attn_q.weight"]
+    assert meta["general.architecture"] == "llama" and t.type == fmt and t.shape == [256, 16]
+    assert np.array_equal(quant.tensor_bytes(path, t, 16), raw)
+    data = path.read_bytes()
+    for cut in (len(data) - 1, len(data) // 2, 40, 10):  # truncated anywhere: a one-line error
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(GooseError, match="cannot read GGUF"):
+            quant.read_gguf(tmp_path / "cut.gguf")
+    (tmp_path / "bad.gguf").write_bytes(b"GGUX" + data[4:])
+    with pytest.raises(GooseError, match="magic"):
+        quant.read_gguf(tmp_path / "bad.gguf")

@@ -240,11 +240,12 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     dt = resolve_dtype(dtype)
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        net = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn_implementation)
+        from .quant import load_gguf_model  # GGUF blocks (None: float32 weights)
+
+        net = load_gguf_model(path, model, weights, dt, resolve_device(device), attn_implementation)
+        if net is None:
+            net = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn_implementation)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a damaged or foreign folder
         raise GooseError(f"cannot load the model in {path}: {one_line(exc)}") from exc
     net.to(resolve_device(device)).eval()
-    from .quant import apply_weights
-
-    apply_weights(net, model, weights, dt, resolve_device(device))
     return net, tok

@@ -354,12 +354,121 @@ def _permutation(n: int, heads: int) -> np.ndarray:
     return np.arange(n).reshape(heads, dim, 2).swapaxes(1, 2).reshape(n)
 
 
-def _field(reader, name: str):
-    f = reader.fields.get(name)
-    if f is None:
-        return None
-    v = f.parts[f.data[0]]
-    return bytes(v).decode() if v.dtype == np.uint8 else v.tolist()[0]
+class GGUFTensor:
+    """One tensor of a GGUF file: GGML type name, shape (GGUF order: ne0 = the row length first), where its
+    bytes lie, and how many there are."""
+
+    __slots__ = ("name", "type", "shape", "offset", "nbytes")
+
+    def __init__(self, name: str, type_name: str, shape: list[int], offset: int, nbytes: int) -> None:
+        self.name, self.type, self.shape, self.offset, self.nbytes = name, type_name, shape, offset, nbytes
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
+    """The scalar and string metadata and the tensor table of a GGUF file (v2/v3), checked against the file's
+    size; tensor bytes are read later, one tensor at a time (`tensor_bytes`). A lean parser: gguf's
+    GGUFReader builds a Python object per vocabulary entry (~170 MB for a 49k vocabulary)."""
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    def bad(why: str) -> GooseError:
+        return GooseError(f"cannot read GGUF file {path}: {why}")
+
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise bad(str(exc)) from exc
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise bad("truncated header")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            pos = 0
+
+            def take(fmt: str):
+                nonlocal pos
+                n = struct.calcsize(fmt)
+                if pos + n > size:
+                    raise bad("truncated metadata")
+                v = struct.unpack_from(fmt, mm, pos)[0]
+                pos += n
+                return v
+
+            def string() -> str:
+                nonlocal pos
+                n = take("<Q")
+                if pos + n > size:
+                    raise bad("truncated string")
+                v = bytes(mm[pos:pos + n]).decode("utf-8", "replace")
+                pos += n
+                return v
+
+            def value(kind: int):
+                nonlocal pos
+                if kind in _SCALARS:
+                    return take(_SCALARS[kind])
+                if kind == 8:
+                    return string()
+                if kind == 9:
+                    item, count = take("<I"), take("<Q")
+                    if item in _SCALARS:  # skipped without reading
+                        pos += count * struct.calcsize(_SCALARS[item])
+                        if pos > size:
+                            raise bad("truncated array")
+                    else:
+                        for _ in range(count):
+                            value(item)
+                    return None
+                raise bad(f"unknown metadata type {kind}")
+
+            if bytes(mm[:4]) != b"GGUF":
+                raise bad("not a GGUF file (no GGUF magic)")
+            pos = 4
+            version = take("<I")
+            if version not in (2, 3):
+                raise bad(f"GGUF version {version} is not supported")
+            n_tensors, n_kv = take("<Q"), take("<Q")
+            meta = {}
+            for _ in range(n_kv):
+                key = string()
+                meta[key] = value(take("<I"))
+            infos = []
+            for _ in range(n_tensors):
+                name = string()
+                dims = [take("<Q") for _ in range(take("<I"))]
+                infos.append((name, dims, take("<I"), take("<Q")))
+    align = meta.get("general.alignment") or 32
+    start = -(-pos // align) * align
+    tensors = {}
+    for name, dims, code, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(code)
+            block, bbytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError) as exc:
+            raise bad(f"tensor {name} has an unknown type {code}") from exc
+        count = int(np.prod(dims)) if dims else 1
+        if not dims or dims[0] % block:
+            raise bad(f"tensor {name}: rows of {dims[:1]} are not whole {qtype.name} blocks")
+        nbytes = count // block * bbytes
+        if start + offset + nbytes > size:
+            raise bad(f"tensor {name} runs past the end of the file (truncated?)")
+        tensors[name] = GGUFTensor(name, qtype.name, dims, start + offset, nbytes)
+    return meta, tensors
+
+
+def tensor_bytes(path: Path, t: GGUFTensor, rows: int) -> np.ndarray:
+    """A tensor's bytes as ``[rows, bytes per row]`` uint8 (read from the file, no mapping kept)."""
+    with open(path, "rb") as f:
+        f.seek(t.offset)
+        data = np.fromfile(f, dtype=np.uint8, count=t.nbytes)
+    if data.size != t.nbytes:
+        raise GooseError(f"cannot read GGUF file {path}: tensor {t.name} is truncated")
+    return data.reshape(rows, -1)
 
 
 def _notice(msg: str) -> None:
@@ -374,20 +483,14 @@ def use_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, che
     first rows of every tensor are compared with the model's float32 weights before those are released: any
     difference (a mapping this function got wrong) raises instead of giving other weights. Types without a
     kernel (F16, Q5_K, ...) keep their float32 weights, with a one-line notice."""
-    from gguf import GGUFReader
-
     kern = kernels or kernels_or_none()
     if kern is None:
         raise GooseError(f"goose's quantized kernels cannot run here: {unavailable_reason()}")
-    try:
-        reader = GGUFReader(str(gguf))
-    except Exception as exc:  # gguf raises several types for truncated or malformed files
-        raise GooseError(f"cannot read GGUF file {gguf}: {exc}") from exc
-    arch = _field(reader, "general.architecture")
+    meta, tensors = read_gguf(Path(gguf))
+    arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{arch}'")
     cfg, base = model.config, model.model
-    tensors = {t.name: t for t in reader.tensors}
     done: dict = {"packed": [], "float32": [], "bytes": 0}
     skipped: set[str] = set()
 
@@ -395,7 +498,7 @@ def use_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, che
         t = tensors.get(name)
         if t is None:
             return None
-        fmt = t.tensor_type.name
+        fmt = t.type
         if fmt not in FORMATS:
             if fmt not in ("F32", "F16", "BF16"):
                 skipped.add(fmt)
@@ -403,11 +506,10 @@ def use_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, che
             return None
         n, k = module.weight.shape
         _, block, bbytes = FORMATS[fmt]
-        shape = [int(s) for s in t.shape]
-        if shape != [k, n] or k % block or t.data.shape != (n, k // block * bbytes) or t.data.dtype != np.uint8:
-            raise GooseError(f"GGUF tensor {name} ({fmt}) has shape {shape} / {t.data.shape} bytes; the model "
+        if t.shape != [k, n] or k % block or t.nbytes != n * (k // block * bbytes):
+            raise GooseError(f"GGUF tensor {name} ({fmt}) has shape {t.shape} and {t.nbytes} bytes; the model "
                              f"needs [{k}, {n}]")
-        data = np.ascontiguousarray(t.data)
+        data = tensor_bytes(Path(gguf), t, n)
         order = _permutation(n, heads) if heads else range(n)
         w = kern.pack(fmt, [data[i] for i in order], k)
         if check and module.weight.device.type != "meta":
@@ -477,31 +579,86 @@ def gguf_source(model: str) -> Path | None:
     return path.resolve() if path.suffix == ".gguf" and path.is_file() else None
 
 
-def apply_weights(net, model: str, weights: str | None, dtype: torch.dtype, device: torch.device) -> str:
-    """`load_model`'s ``weights``: "gguf" (keep the GGUF blocks, `use_gguf_weights`), "float32" (the
-    dequantized weights), or None: "gguf" where it applies (a GGUF source of a supported architecture,
-    float32 on CPU, the kernels available here), else "float32" (with a one-line notice when a GGUF source
-    could not keep its blocks). Returns the kind used; an explicit "gguf" that cannot be honoured raises."""
+def _resolve(model: str, weights: str | None, dtype: torch.dtype, device: torch.device) -> tuple[Path | None, str | None]:
+    """(the GGUF file, None) when `weights` resolves to GGUF blocks; (None, why not) otherwise (why: None when
+    nothing needs saying)."""
     if weights not in (None, *WEIGHTS):
         raise GooseError(f"unknown weights '{weights}'; choose one of: {', '.join(WEIGHTS)}")
     if weights == "float32":
-        return "float32"
+        return None, None
     src = gguf_source(model)
-    why = None
     if src is None:
         why = "the model is not a single GGUF file (a .gguf path or smollm2-135m)"
     elif dtype != torch.float32 or device.type != "cpu":
         why = "GGUF blocks run in float32 on the CPU only"
     elif kernels_or_none() is None:
         why = f"goose's quantized kernels cannot run here ({unavailable_reason()})"
-    if why is None:
-        try:
-            use_gguf_weights(net, src)
-            return "gguf"
-        except GooseError as exc:
-            why = str(exc)
+    else:
+        return src, None
     if weights == "gguf":
         raise GooseError(f"--weights gguf: {why}")
+    return None, (why if src is not None else None)
+
+
+def load_gguf_model(path: Path, model: str, weights: str | None, dtype: torch.dtype, device: torch.device,
+                    attn_implementation: str):
+    """`load_model`'s ``weights``: "gguf" (the GGUF blocks, `use_gguf_weights`), "float32" (the dequantized
+    weights), or None: "gguf" where it applies (a single-file GGUF source of a supported architecture, float32
+    on CPU, the kernels available here), else float32 with a one-line notice for a GGUF source.
+
+    Returns the model with its blocks in place, or None when the weights are to be float32 (the caller loads
+    them). The model is built on the meta device and only its small float32 tensors (norms, biases, anything
+    the file does not hold in a supported format) are read from the dequantized copy in `path`, so the
+    float32 projections are never materialised. An explicit "gguf" that cannot be honoured raises."""
+    src, why = _resolve(model, weights, dtype, device)
     if src is not None:
+        try:
+            return _meta_load(path, src, attn_implementation)
+        except GooseError as exc:
+            if weights == "gguf":
+                raise
+            why = str(exc)
+    if why:
         _notice(f"using float32 weights: {why}")
-    return "float32"
+    return None
+
+
+def _meta_load(path: Path, gguf: Path, attn_implementation: str):
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    if getattr(cfg, "model_type", None) not in ARCHITECTURES:
+        raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{cfg.model_type}'")
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
+    use_gguf_weights(net, gguf, check=False)
+    files = sorted(Path(path).glob("*.safetensors"))
+    wanted = {n: p for n, p in net.named_parameters() if p.is_meta}
+    wanted.update({n: b for n, b in net.named_buffers() if b.is_meta})
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key in wanted:
+                    _assign(net, key, st.get_tensor(key).to(torch.float32))
+                    del wanted[key]
+    rotary = net.model.rotary_emb  # non-persistent buffers (inv_freq): computed from the config
+    if any(b.is_meta for b in rotary.buffers()):
+        net.model.rotary_emb = type(rotary)(config=net.config)
+    left = [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
+    if left:
+        raise GooseError(f"{path} does not hold {', '.join(left[:3])}{' ...' if len(left) > 3 else ''}")
+    try:
+        net.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass
+    return net.eval()
+
+
+def _assign(net: nn.Module, name: str, value: torch.Tensor) -> None:
+    parent, _, attr = name.rpartition(".")
+    mod = net.get_submodule(parent)
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    else:
+        mod._buffers[attr] = value
