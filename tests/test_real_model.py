@@ -90,3 +90,25 @@ def test_sampling_with_a_seed_gives_ar_tokens_and_streams_the_same_text(smollm, 
         got = dec.generate(ids, MAX_NEW, **options)
         assert got.token_ids == ref, f"{method} {name}: {first_mismatch(model, ids, ref, got.token_ids)}"
         assert "".join(dec.stream(ids, MAX_NEW, **options)) == got.text
+
+
+MORE = ["Explain photosynthesis in two sentences.", "Write a haiku about rain.", "What is 17 times 23?",
+        "Translate 'good morning' into French and Spanish."]
+
+
+@pytest.mark.parametrize("method", ["goose", "ar"])
+def test_engine_serves_eight_concurrent_prompts_token_identical(smollm, references, method):
+    """Nine requests (eight in flight at once) through one Engine on the float32 kernel path: each equals
+    `ar` decoding its prompt alone."""
+    from goose import Engine
+
+    model, tok = smollm
+    ar = Decoder(model, tok, "ar")
+    jobs = [ids for ids, _ in references.values()] + [ar.encode(t, chat=True) for t in MORE]
+    refs = [ref for _, ref in references.values()] + [ar.generate(ids, MAX_NEW).token_ids for ids in jobs[5:]]
+    with Engine(model, tok, method, max_batch=8) as eng:
+        reqs = [eng.submit(ids, MAX_NEW) for ids in jobs]
+        got = [r.result(timeout=600).token_ids for r in reqs]
+        assert max(eng.batch_sizes) == 8
+    for ids, ref, out in zip(jobs, refs, got):
+        assert out == ref, describe(model, ids, ref, out)
