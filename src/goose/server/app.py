@@ -273,13 +273,12 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
             options = body.engine_options()
         except GooseError as exc:
             raise ApiError(400, str(exc), param="speculative") from None
-        box: list = []
+        box: list = []  # the request's slot (not the request: no reference cycle keeps its KV cache alive)
         ready = threading.Event()
 
         def on_tokens(block):  # engine thread: the slot's sources belong to this very block
             ready.wait(10)
-            slot = box[0].slot if box else None
-            sources = list(slot.new_sources) if slot is not None else []
+            sources = list(box[0].new_sources) if box else []
             loop.call_soon_threadsafe(sink.put_nowait, (list(block), sources))
 
         try:
@@ -293,7 +292,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
             if "closed" in msg:
                 raise ApiError(503, "the server is shutting down", "server_error", "shutting_down") from None
             raise ApiError(400, msg) from None
-        box.append(req)
+        box.append(req.slot)
         ready.set()
         return req
 

@@ -195,6 +195,8 @@ async def bench(url: str, model: str | None, api_key: str, concurrencies: list[i
         print(f"  concurrency {c}: {lv.tok_s:.1f} tok/s, {lv.errors} errors", file=sys.stderr, flush=True)
     result = {"url": url, "model": model, "max_tokens": max_tokens, "extra": extra,
               "levels": [{k: v for k, v in asdict(lv).items() if k != "texts"} for lv in levels]}
+    # each prompt's greedy text at the first level (compare runs, e.g. speculation on and off)
+    result["texts"] = {str(i): sorted(t)[0] for i, t in sorted(levels[0].texts.items())}
     if soak:
         before = await scrape(url)
         c = max(concurrencies)
