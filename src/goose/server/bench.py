@@ -180,7 +180,11 @@ async def bench(url: str, model: str | None, api_key: str, concurrencies: list[i
 
     client = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=timeout)
     if model is None:
-        model = (await client.models.list()).data[0].id
+        try:
+            model = (await client.models.list()).data[0].id
+        except openai.OpenAIError as exc:
+            await client.close()
+            raise GooseError(f"cannot list the models of {url}: {type(exc).__name__}: {exc}") from None
     levels: list[Level] = []
     for c in concurrencies:
         n = n_requests or max(len(prompts), 2 * c)
