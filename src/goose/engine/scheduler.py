@@ -128,6 +128,8 @@ class Request:
         if reason in ("stop", "length"):
             text = self._decode(s.out) if self._decode is not None else None
             self._result = GenerationResult(text, list(s.out), s.stats)
+        s.cache = s.method = s.stop = None  # free the KV cache and per-request state now (and the stop's cycle)
+        self._on_tokens = None
         self._blocks.put(_END)
         self._done.set()
 
