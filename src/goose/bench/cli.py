@@ -103,6 +103,12 @@ def cmd_bench(args) -> int:
         args.methods = VLLM_METHODS if args.methods == DEFAULT_METHODS else args.methods
         questions = datasets.load(args.dataset, _split(args.categories), args.limit)
         return cmd_bench_vllm(args, questions, sys.argv[1:])
+    if args.engine == "vllm":  # vLLM's methods and GooseProposer, from the vLLM venv (bench/vllm_engine.py)
+        from .vllm_engine import VLLM_METHODS, cmd_bench_vllm
+
+        args.methods = VLLM_METHODS if args.methods == DEFAULT_METHODS else args.methods
+        questions = datasets.load(args.dataset, _split(args.categories), args.limit)
+        return cmd_bench_vllm(args, questions, sys.argv[1:])
     args.methods = parse_methods(args.methods)
     questions = datasets.load(args.dataset, _split(args.categories), args.limit)
     if not questions:
@@ -196,6 +202,9 @@ def register(sub) -> None:
                         "jsonl:PATH; several joined by commas")
     b.add_argument("--categories", help="comma-separated categories to keep")
     b.add_argument("--limit", type=int, help="first N questions of each category")
+    b.add_argument("--engine", choices=("goose", "vllm"), default="goose",
+                   help="vllm: vLLM's plain/ngram/suffix and goose's GooseProposer (--methods from "
+                        "plain,ngram,suffix,goose), run from the venv of `make vllm`")
     b.add_argument("--engine", choices=("goose", "vllm"), default="goose",
                    help="vllm: vLLM's plain/ngram/suffix and goose's GooseProposer (--methods from "
                         "plain,ngram,suffix,goose), run from the venv of `make vllm`")
