@@ -10,84 +10,10 @@ import json
 import sys
 from pathlib import Path
 
-from .config import DecodeConfig
 from .errors import GooseError
 from .methods import METHODS
-from .model import DEFAULT_MODEL, PACKAGED
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"packaged name ({', '.join(PACKAGED)}), Hugging Face model directory, or .gguf file "
-                        f"(default: {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
-    p.add_argument("--weights", choices=["gguf", "float32"], default=None,
-                   help="GGUF sources: gguf = multiply with the file's quantized blocks (same weights, "
-                        "bit-identical logits, ~1/5 of the memory); float32 = the dequantized weights "
-                        "(default: gguf where it applies)")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def method_name(text: str) -> str:
-    if text not in METHODS:
-        raise argparse.ArgumentTypeError(f"unknown method '{text}'; choose one of: {', '.join(METHODS)}")
-    return text
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed's range
-
-
-def seed_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-    if not 0 <= value <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"must be in 0..2^64-1, got {text}")
-    return value
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=non_negative_float, default=0.0,
-                   help="0 (default): greedy; > 0: sample at this temperature (lossless: same distribution)")
-    p.add_argument("--top-k", type=positive_int, default=None, help="sample from the k most likely tokens only")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep probability mass top-p (0, 1]")
-    p.add_argument("--seed", type=seed_int, default=0,
-                   help=f"sampling seed, 0..2^64-1 (default 0): same seed, same tokens")
-
-
-def sampling_options(args) -> dict:
-    """DecodeConfig sampling fields from --temperature / --top-k / --top-p / --seed (temperature 0: greedy),
-    checked together with --max-new-tokens, so bad values fail before any model loads."""
-    if args.temperature == 0:
-        if args.top_k is not None or args.top_p is not None:
-            raise GooseError("--top-k / --top-p need sampling: give --temperature > 0")
-        options = {}
-    else:
-        options = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-                   "seed": args.seed}
-    DecodeConfig(max_new_tokens=args.max_new_tokens, **options)
-    return options
+from .cliargs import add_model_args, add_sampling_args, first_mismatch, method_name, positive_int, sampling_options
+from .model import DEFAULT_MODEL
 
 
 def _read_prompt(args) -> str:
@@ -107,22 +33,6 @@ def _read_prompt(args) -> str:
     if args.prompt is None:
         raise GooseError("give a PROMPT or --prompt-file")
     return args.prompt
-
-
-def first_mismatch(model, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict:
-    """Where two generations diverge, with both tokens' logits after the common prefix (tie vs bug)."""
-    import torch
-
-    pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
-    info = {"position": pos, "ar_token": ref[pos] if pos < len(ref) else None,
-            "token": got[pos] if pos < len(got) else None}
-    if info["ar_token"] is not None and info["token"] is not None:
-        with torch.inference_mode():
-            ids = torch.tensor([prompt_ids + ref[:pos]], device=model.device)
-            logits = model(ids).logits[0, -1].float()
-        info["ar_logit"] = float(logits[info["ar_token"]])
-        info["logit"] = float(logits[info["token"]])
-    return info
 
 
 def cmd_generate(args) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import cachefs
-from .model import cache_root
+from .paths import cache_root
 from .tree import BRANCH, DraftTree
 from .tree_tensors import ancestor_mask, tree_depths
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from . import cachefs
-from .model import cache_root
+from .paths import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]

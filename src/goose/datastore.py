@@ -31,7 +31,7 @@ import numpy as np
 
 from . import cachefs
 from .errors import GooseError
-from .model import cache_root
+from .paths import cache_root
 
 SEP = -1  # document separator in tokens.npy (never a token id)
 FORMAT = 1

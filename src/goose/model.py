@@ -14,7 +14,6 @@ import hashlib
 import importlib
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 from . import cachefs
 from .errors import GooseError
+from .paths import cache_root, package_file  # noqa: F401  (re-exported)
 from .forward import SUPPORTED_ATTENTION
 
 SOURCE_RECORD = "goose-source.json"  # beside a dequantized model: which GGUF (path, size, sha256) it came from
@@ -49,11 +49,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
 
 
-def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "goose"
-
-
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -72,17 +67,6 @@ def resolve_device(device: str | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise GooseError("device 'cuda' requested but no CUDA device is available")
     return dev
-
-
-def package_file(pkg: str, relpath: str, what: str, hint: str) -> Path:
-    """A data file shipped inside an installed package, located without importing the package."""
-    spec = importlib.util.find_spec(pkg)
-    if spec is None or spec.origin is None:
-        raise GooseError(f"{what} needs the '{pkg}' package: {hint}")
-    path = Path(spec.origin).parent / relpath
-    if not path.is_file():
-        raise GooseError(f"{what}: file {path} is missing; reinstall with: {hint}")
-    return path
 
 
 def packaged_gguf(name: str, workdir: Path) -> Path:

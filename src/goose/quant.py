@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import GooseError
-from .model import cache_root
+from .paths import cache_root
 
 SOURCE = Path(__file__).with_name("quant_kernels.cpp")
 ABI = 1

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .. import cachefs
-from ..cli import add_model_args, add_sampling_args, positive_int, sampling_options
+from ..cliargs import add_model_args, add_sampling_args, positive_int, sampling_options
 from ..errors import GooseError
 from ..model import DEFAULT_MODEL
 from . import datasets, store
@@ -97,12 +97,6 @@ def render_dir(out: Path) -> Path:
 
 
 def cmd_bench(args) -> int:
-    if args.engine == "vllm":  # vLLM's methods and GooseProposer, from the vLLM venv (bench/vllm_engine.py)
-        from .vllm_engine import VLLM_METHODS, cmd_bench_vllm
-
-        args.methods = VLLM_METHODS if args.methods == DEFAULT_METHODS else args.methods
-        questions = datasets.load(args.dataset, _split(args.categories), args.limit)
-        return cmd_bench_vllm(args, questions, sys.argv[1:])
     if args.engine == "vllm":  # vLLM's methods and GooseProposer, from the vLLM venv (bench/vllm_engine.py)
         from .vllm_engine import VLLM_METHODS, cmd_bench_vllm
 
@@ -202,9 +196,6 @@ def register(sub) -> None:
                         "jsonl:PATH; several joined by commas")
     b.add_argument("--categories", help="comma-separated categories to keep")
     b.add_argument("--limit", type=int, help="first N questions of each category")
-    b.add_argument("--engine", choices=("goose", "vllm"), default="goose",
-                   help="vllm: vLLM's plain/ngram/suffix and goose's GooseProposer (--methods from "
-                        "plain,ngram,suffix,goose), run from the venv of `make vllm`")
     b.add_argument("--engine", choices=("goose", "vllm"), default="goose",
                    help="vllm: vLLM's plain/ngram/suffix and goose's GooseProposer (--methods from "
                         "plain,ngram,suffix,goose), run from the venv of `make vllm`")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import GooseError
-from ..model import package_file
+from ..paths import package_file
 
 # Spec-Bench's question file holds the 80 MT-Bench questions (8 categories of 10, two turns each) and
 # 80 questions in each of five single-turn categories; `gsm8k` is its math_reasoning subset.

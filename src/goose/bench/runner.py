@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli import first_mismatch
+from ..cliargs import first_mismatch
 from ..decoding import eos_ids
 from ..errors import GooseError
 from . import store

@@ -35,6 +35,7 @@ class Request:
         self.id = rid
         self.prompt = prompt
         self.slot = slot
+        self.method = slot.method.name  # the method decoding this request
         self._decode = decode
         self._on_tokens = on_tokens
         self._blocks: queue.Queue = queue.Queue()

@@ -31,7 +31,7 @@ from ..config import DecodeConfig
 from ..errors import GooseError
 from ..lean import Segment
 from ..sampling import Chooser
-from ..selector import Candidates, allocate
+from ..selector import allocate
 from ..stats import Stats
 from ..tree import ROOT
 from ..tree_tensors import ancestor_mask, is_chain, tree_depths

@@ -312,7 +312,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
 
     def goose_info(req) -> dict:
         st = req.slot.stats
-        return {"method": req.slot.method.name,
+        return {"method": req.method,
                 "tau": round(st.tau, 4), "forward_calls": st.forward_calls,
                 "accepted": dict(st.accepted), "drafted": dict(st.drafted),
                 "ttft_s": req.ttft_s, "tpot_s": req.tpot_s, "tokens_per_s": round(st.tokens_per_s, 3),

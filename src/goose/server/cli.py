@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import add_model_args, method_name, positive_int
+from ..cliargs import add_model_args, method_name, positive_int
 from ..errors import GooseError
 
 
