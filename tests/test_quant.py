@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType, quants
 from goose import cpukernel, quant
 from goose.errors import GooseError
 from goose.lean import LeanForward
+from goose.model import gguf_source
 from test_lean import call_script, play, tiny_llama
 
 VARIANTS = quant.runnable_variants()
@@ -202,16 +203,17 @@ def test_fusing_keeps_one_copy():
 
 def test_unknown_weights_kind_is_refused():
     with pytest.raises(GooseError):
-        quant.load_gguf_model(None, "smollm2-135m", "int4", torch.float32, torch.device("cpu"), "sdpa")
+        quant.load_gguf_model(None, gguf_source("smollm2-135m"), "int4", torch.float32, torch.device("cpu"), "sdpa")
 
 
 def test_explicit_gguf_needs_a_gguf_source(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(GooseError, match="GGUF"):
-        quant.load_gguf_model(tmp_path, str(tmp_path), "gguf", torch.float32, torch.device("cpu"), "sdpa")
+        quant.load_gguf_model(tmp_path, gguf_source(str(tmp_path)), "gguf", torch.float32, torch.device("cpu"), "sdpa")
     with pytest.raises(GooseError, match="float32 on the CPU"):
-        quant.load_gguf_model(tmp_path, "smollm2-135m", "gguf", torch.float64, torch.device("cpu"), "sdpa")
-    assert quant.load_gguf_model(tmp_path, str(tmp_path), None, torch.float32, torch.device("cpu"), "sdpa") is None
+        quant.load_gguf_model(tmp_path, gguf_source("smollm2-135m"), "gguf", torch.float64, torch.device("cpu"), "sdpa")
+    assert quant.load_gguf_model(tmp_path, gguf_source(str(tmp_path)), None, torch.float32, torch.device("cpu"),
+                                 "sdpa") is None
 
 
 def test_truncated_gguf_file_is_a_one_line_error(tmp_path):

@@ -208,6 +208,17 @@ def model_dir(model: str) -> Path:
     )
 
 
+def gguf_source(model: str) -> Path | None:
+    """The GGUF file behind a model name or path, where goose can keep its blocks: a packaged model shipped as
+    one file (smollm2-135m), or a .gguf path; None otherwise (a Hugging Face folder; gemma3-270m, whose file
+    is assembled from chunk packages and whose architecture LeanForward does not run)."""
+    if model in PACKAGED:
+        spec = PACKAGED[model]
+        return None if spec.file is None else package_file(spec.package, spec.file, f"model '{model}'", spec.install)
+    path = Path(model).expanduser()
+    return path.resolve() if path.suffix == ".gguf" and path.is_file() else None
+
+
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                attn_implementation: str = "sdpa", weights: str | None = None):
     """Returns ``(model, tokenizer)`` ready for goose, in eval mode.
@@ -226,7 +237,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
         tok = AutoTokenizer.from_pretrained(path)
         from .quant import load_gguf_model  # GGUF blocks (None: float32 weights)
 
-        net = load_gguf_model(path, model, weights, dt, resolve_device(device), attn_implementation)
+        net = load_gguf_model(path, gguf_source(model), weights, dt, resolve_device(device), attn_implementation)
         if net is None:
             net = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn_implementation)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a damaged or foreign folder

@@ -566,27 +566,14 @@ def format_name(code: int) -> str:
 WEIGHTS = ("gguf", "float32")
 
 
-def gguf_source(model: str) -> Path | None:
-    """The GGUF file behind a model name or path, where goose can keep its blocks: a packaged model shipped as
-    one file (smollm2-135m), or a .gguf path; None otherwise (a Hugging Face folder; gemma3-270m, whose file
-    is assembled from chunk packages and whose architecture LeanForward does not run)."""
-    from .model import PACKAGED, package_file
-
-    if model in PACKAGED:
-        spec = PACKAGED[model]
-        return None if spec.file is None else package_file(spec.package, spec.file, f"model '{model}'", spec.install)
-    path = Path(model).expanduser()
-    return path.resolve() if path.suffix == ".gguf" and path.is_file() else None
-
-
-def _resolve(model: str, weights: str | None, dtype: torch.dtype, device: torch.device) -> tuple[Path | None, str | None]:
+def _resolve(src: Path | None, weights: str | None, dtype: torch.dtype,
+             device: torch.device) -> tuple[Path | None, str | None]:
     """(the GGUF file, None) when `weights` resolves to GGUF blocks; (None, why not) otherwise (why: None when
-    nothing needs saying)."""
+    nothing needs saying). `src`: the model's single GGUF file (`model.gguf_source`), or None."""
     if weights not in (None, *WEIGHTS):
         raise GooseError(f"unknown weights '{weights}'; choose one of: {', '.join(WEIGHTS)}")
     if weights == "float32":
         return None, None
-    src = gguf_source(model)
     if src is None:
         why = "the model is not a single GGUF file (a .gguf path or smollm2-135m)"
     elif dtype != torch.float32 or device.type != "cpu":
@@ -600,7 +587,7 @@ def _resolve(model: str, weights: str | None, dtype: torch.dtype, device: torch.
     return None, (why if src is not None else None)
 
 
-def load_gguf_model(path: Path, model: str, weights: str | None, dtype: torch.dtype, device: torch.device,
+def load_gguf_model(path: Path, source: Path | None, weights: str | None, dtype: torch.dtype, device: torch.device,
                     attn_implementation: str):
     """`load_model`'s ``weights``: "gguf" (the GGUF blocks, `use_gguf_weights`), "float32" (the dequantized
     weights), or None: "gguf" where it applies (a single-file GGUF source of a supported architecture, float32
@@ -610,7 +597,7 @@ def load_gguf_model(path: Path, model: str, weights: str | None, dtype: torch.dt
     them). The model is built on the meta device and only its small float32 tensors (norms, biases, anything
     the file does not hold in a supported format) are read from the dequantized copy in `path`, so the
     float32 projections are never materialised. An explicit "gguf" that cannot be honoured raises."""
-    src, why = _resolve(model, weights, dtype, device)
+    src, why = _resolve(source, weights, dtype, device)
     if src is not None:
         try:
             return _meta_load(path, src, attn_implementation)

@@ -223,7 +223,6 @@ async def bench(url: str, model: str | None, api_key: str, concurrencies: list[i
 
 def run_cli(args) -> int:
     from ..bench import datasets
-    from .cli import check_loopback
 
     check_loopback(args.url)
     try:
@@ -257,3 +256,12 @@ def run_cli(args) -> int:
             json.dump(result, f, indent=1)
     failed = sum(lv["errors"] for lv in result["levels"]) + (result.get("soak") or {}).get("errors", 0)
     return 1 if failed else 0
+
+
+def check_loopback(url: str) -> None:
+    """Refuse any server that is not on this machine: the load benchmark sends traffic to loopback only."""
+    from urllib.parse import urlparse
+
+    host = urlparse(url).hostname
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise GooseError(f"bench-serve only talks to a server on this machine (loopback), not {host!r}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from ..cliargs import add_model_args, method_name, positive_int
-from ..errors import GooseError
 
 
 def _port(text: str) -> int:
@@ -86,11 +85,3 @@ def register(sub) -> None:
     b.add_argument("--json", default=None, help="also write the results to this JSON file")
     b.add_argument("--label", default=None, help="name of this run in the table (default: the URL)")
     b.set_defaults(func=cmd_bench_serve)
-
-
-def check_loopback(url: str) -> None:
-    from urllib.parse import urlparse
-
-    host = urlparse(url).hostname
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        raise GooseError(f"bench-serve only talks to a server on this machine (loopback), not {host!r}")
