@@ -240,3 +240,32 @@ def test_cost_is_learned_from_step_times():
             break
     assert len(p.cost.samples) >= 4
     assert p.cost.slope > 0.2
+
+
+def test_memory_of_finished_requests():
+    """A request that repeats an earlier one's context gets the earlier continuation from the memory
+    (when it matches a longer n-gram than its own context), never across the request separator."""
+    p = make(k=8, cfg=ProposerConfig(cost_prior_slope=0.0, min_prob=0.0))
+    first = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]
+    b = FakeBatch()
+    b.add(first)
+    p.propose([[50]], b.lens, b.tokens)
+    b.remove(0)
+    b.add([1, 2, 40, 41, 42, 43, 44])  # a new request whose context ends like the first one's began
+    out = p.propose([[44]], b.lens, b.tokens)
+    assert out == [[45, 46, 47, 48, 49, 50]]  # cut at the end of the remembered request
+    assert p._rows[0].kind == 3
+    off = make(k=8, cfg=ProposerConfig(cost_prior_slope=0.0, min_prob=0.0, memory_tokens=0))
+    b2 = FakeBatch()
+    b2.add(first)
+    off.propose([[50]], b2.lens, b2.tokens)
+    b2.remove(0)
+    b2.add([1, 2, 40, 41, 42, 43, 44])
+    assert off.propose([[44]], b2.lens, b2.tokens) == [[]]
+
+
+def test_memory_is_bounded():
+    p = make(k=4, cfg=ProposerConfig(memory_tokens=64))
+    for i in range(20):
+        p._remember(list(range(i * 10, i * 10 + 30)))
+        assert len(p.memory.tokens) <= 64

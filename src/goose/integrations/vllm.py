@@ -15,8 +15,10 @@ whole context. For each row the proposer
    tokens only (O(new tokens) per step; the context is never rescanned);
 2. scores last step's draft: ``len(sampled) - 1`` of its tokens were accepted, which updates the online
    acceptance model (Beta-smoothed counts per (match kind, n, depth));
-3. proposes GOOSE's spine (`NgramIndex.propose` + `propose_extended`) and gives each token its path
-   probability (product of the acceptance probabilities along the chain).
+3. proposes GOOSE's spine (`NgramIndex.propose` + `propose_extended`) — or, when the contexts of
+   requests that already left the batch (kept in one shared n-gram index, ``memory_tokens`` at most)
+   match a longer suffix n-gram than the request's own context, the continuation found there — and gives
+   each token its path probability (product of the acceptance probabilities along the chain).
 
 Then one allocation over the whole batch cuts every chain: tokens are taken in decreasing path
 probability p while ``p > slope * N / C`` — adding a token of marginal verify cost ``slope`` raises the
@@ -31,7 +33,7 @@ unclaimed state whose tokens the row's context extends (requests move rows when 
 new one. States no row claimed for ``state_ttl`` steps are dropped (finished or long-preempted
 requests). A mismatch can only cost acceptance, never correctness: vLLM verifies every drafted token.
 
-This module imports neither vLLM nor torch; its logic is tested without vLLM
+This module does not import vLLM; its logic is tested without vLLM
 (tests/test_integrations_vllm.py) and, from ``.venv-vllm`` (``make vllm``), inside vLLM on CPU
 (tests/test_vllm_real.py). Token Recycling successors are not drafted here: they are rarely accepted
 in a chain (4-8% against 50-63% for spine tokens, measured) and vLLM gives a proposer no logits to
@@ -46,11 +48,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..acceptance import CONSENSUS, LONG, SHORT, match_kind
+from ..acceptance import SHORT, match_kind
 from ..config import NgramConfig
 from ..ngram import NgramIndex, Proposal
 
 _DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # depth buckets of the acceptance model
+MEMORY = 3  # match kind of a chain copied from an earlier request's context
+_SEP = -1  # separates requests in the memory: no n-gram across it matches a real context
 
 
 @dataclass(frozen=True)
@@ -58,8 +62,9 @@ class ProposerConfig:
     """Defaults of `GooseProposer` (vLLM gives custom proposers no options: subclass to change them)."""
 
     ngram: NgramConfig = field(default_factory=lambda: NgramConfig(ngram_sizes=(5, 4, 3, 2)))
-    # P(token accepted | previous accepted) before any observation, by match kind (consensus, >= 8, short)
-    prior: tuple[float, float, float] = (0.8, 0.6, 0.4)
+    # P(token accepted | previous accepted) before any observation, by match kind: consensus, long (>= 8
+    # tokens), short, and a match in earlier requests' contexts
+    prior: tuple[float, float, float, float] = (0.8, 0.6, 0.4, 0.5)
     prior_strength: float = 4.0  # pseudo-trials behind each prior
     weak_ngram: int = 2  # matches of this n or shorter get the short prior whatever their length
     max_prob: float = 0.98
@@ -72,6 +77,9 @@ class ProposerConfig:
     cost_outlier: float = 4.0  # a step slower than this many times the prediction is not a sample
     min_prob: float = 0.02  # never draft a token below this path probability
     state_ttl: int = 64  # steps a request's state survives without being seen
+    # contexts of requests that left the batch, searched when a request's own context matches less of its
+    # suffix (repeated and similar requests); at most this many tokens (the oldest half is dropped); 0: off
+    memory_tokens: int = 1 << 20
     head: int = 16  # leading tokens that identify a request's context
 
 
@@ -89,7 +97,9 @@ class ChainAcceptance:
         self.cfg = cfg
         self.counts: dict[tuple[int, int, int], list[float]] = {}  # key -> [accepted, trials]
 
-    def kind(self, prop: Proposal) -> int:
+    def kind(self, prop: Proposal, memory: bool = False) -> int:
+        if memory:
+            return MEMORY
         if prop.ngram <= self.cfg.weak_ngram and not prop.consensus:
             return SHORT
         return match_kind(prop.consensus, len(prop.chain))
@@ -189,7 +199,7 @@ def allocate(chains: Sequence[Sequence[float]], slope: float, min_prob: float = 
 class _Request:
     """One request's drafting state: its n-gram index and the draft awaiting verification."""
 
-    __slots__ = ("index", "head", "idle", "draft_len", "kind", "ngram")
+    __slots__ = ("index", "head", "idle", "draft_len", "kind", "ngram", "archived")
 
     def __init__(self, cfg: NgramConfig, context: list[int], head: int) -> None:
         self.index = NgramIndex.from_config(cfg)
@@ -199,6 +209,7 @@ class _Request:
         self.draft_len = 0
         self.kind = SHORT
         self.ngram = 0
+        self.archived = False
 
     def continues(self, row_tokens, n: int) -> bool:
         """Whether a context of `n` tokens (a row of vLLM's token array) extends the indexed tokens."""
@@ -231,6 +242,7 @@ class GooseProposer:
         self._rows: dict[int, _Request] = {}  # batch row -> state, as of the last call
         self._last_return: float | None = None
         self._last_tokens = 0  # tokens verified by the step that follows the last call
+        self.memory = NgramIndex(self.cfg.ngram.ngram_sizes, self.k)  # contexts of requests that left
         self.stats = {"steps": 0, "drafted": 0, "accepted": 0}
 
     def load_model(self, *args, **kwargs) -> None:
@@ -257,9 +269,38 @@ class GooseProposer:
         keep = []
         for st in self._states:
             st.idle = 0 if id(st) in claimed else st.idle + 1
+            if st.idle and not st.archived:  # left the batch (finished, or not scheduled this step)
+                self._remember(st.index.tokens)
+                st.archived = True
             if st.idle <= self.cfg.state_ttl:
                 keep.append(st)
         self._states = keep
+
+    def _remember(self, tokens: list[int]) -> None:
+        cap = self.cfg.memory_tokens
+        if cap <= 0:
+            return
+        if len(self.memory.tokens) + len(tokens) + 1 > cap:  # keep the newer half
+            old = self.memory.tokens[len(self.memory.tokens) // 2:]
+            self.memory = NgramIndex(self.cfg.ngram.ngram_sizes, self.k)
+            self.memory.extend(old)
+        self.memory.extend([_SEP] + list(tokens[-cap // 2:]))
+
+    def _spine(self, st: _Request) -> tuple[Proposal, bool]:
+        """The request's chain: GOOSE's spine over its own context, or a copy from an earlier request's
+        context when that matches a longer suffix n-gram (then True)."""
+        own = st.index.propose()
+        if self.memory.tokens:
+            mem = self.memory.lookup(st.index.tokens[-max(self.cfg.ngram.ngram_sizes):])
+            if mem.ngram > own.ngram:
+                chain = mem.chain
+                if _SEP in chain:
+                    chain = chain[: chain.index(_SEP)]
+                if chain:
+                    return Proposal(chain, mem.ngram, mem.occurrences, mem.consensus), True
+        if own.chain:
+            own = st.index.propose_extended(self.cfg.ngram, own)
+        return own, False
 
     @property
     def num_requests(self) -> int:
@@ -274,6 +315,7 @@ class GooseProposer:
         new_rows: dict[int, _Request] = {}
         clean = self._last_return is not None  # this step's time is a cost sample unless a prefill ran
         proposals: list[tuple[int, _Request, Proposal]] = []
+        live: list[tuple[int, _Request, int]] = []
         for r in range(rows):
             sampled = sampled_token_ids[r]
             if len(sampled) == 0:  # partial prefill or discarded: no draft
@@ -297,12 +339,14 @@ class GooseProposer:
                 if grown:
                     st.index.extend(row_tokens[n - grown : n].tolist())
             st.draft_len = 0
-            if n + 1 >= self.max_model_len:
-                continue
-            prop = st.index.propose()
+            if n + 1 < self.max_model_len:
+                live.append((r, st, n))
+        self._expire(claimed)  # first, so requests that just left are already in the memory
+        for r, st, n in live:
+            prop, from_memory = self._spine(st)
             if prop.chain:
-                prop = st.index.propose_extended(self.cfg.ngram, prop)
                 limit = min(self.k, self.max_model_len - n - 1)
+                st.kind, st.ngram = self.acceptance.kind(prop, from_memory), prop.ngram
                 proposals.append((r, st, Proposal(prop.chain[:limit], prop.ngram, prop.occurrences,
                                                   prop.consensus)))
         if clean and self._last_tokens:
@@ -310,7 +354,6 @@ class GooseProposer:
 
         chains = []
         for _, st, prop in proposals:
-            st.kind, st.ngram = self.acceptance.kind(prop), prop.ngram
             chains.append(self.acceptance.path_probs(st.kind, st.ngram, len(prop.chain)))
         take = allocate(chains, self.cost.slope, self.cfg.min_prob)
         out: list[list[int]] = [[] for _ in range(rows)]
@@ -318,7 +361,6 @@ class GooseProposer:
             out[r] = list(prop.chain[:t])
             st.draft_len = t
         self._rows = new_rows
-        self._expire(claimed)
         self._last_tokens = len(new_rows) + sum(take)
         self.stats["steps"] += 1
         self.stats["drafted"] += sum(take)
