@@ -206,3 +206,13 @@ def test_argmax_rows_is_torch_argmax_ties_included(n, vocab, levels, seed, dtype
     logits = torch.randint(0, levels, (n, vocab), generator=g).to(dtype)  # few distinct values: many ties
     assert argmax_rows(logits) == logits.argmax(-1).tolist()
     assert argmax_rows(logits[:, ::2]) == logits[:, ::2].argmax(-1).tolist()  # a strided view
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 2**70, 1.5, "3", True])
+def test_seed_outside_the_generator_range_is_refused(seed):
+    from goose.config import DecodeConfig
+    from goose.errors import GooseError
+
+    with pytest.raises(GooseError, match="seed must be an integer"):
+        DecodeConfig(seed=seed)
+    DecodeConfig(seed=2**64 - 1)

@@ -211,3 +211,6 @@ class DecodeConfig:
             raise GooseError(f"top_k must be >= 0, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise GooseError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**64):
+            raise GooseError(f"seed must be an integer in 0..2^64-1, got {self.seed!r}")
