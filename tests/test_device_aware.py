@@ -165,3 +165,24 @@ def test_prefill_harvest_reads_only_the_last_prompt_positions(tiny_model, tail, 
     k = len(prompt) if tail is None else min(tail, len(prompt))
     assert harvested == set(prompt[len(prompt) - k:])
     assert out == hf_greedy(tiny_model, prompt, 1)
+
+
+def test_a_disturbed_measurement_is_used_but_not_cached(tmp_path, monkeypatch, capsys):
+    """Passes whose timings differ more than MAX_SPREAD (a busy machine) give a curve for this process only:
+    measured again next time instead of being cached for good."""
+    model = make_tiny_llama()
+    fwd = HFForward(model)
+    calls = []
+
+    def disturbed(*a, **k):
+        calls.append(1)
+        return CostCurve((1, 2), (10.0, 12.0), spread=3.0)
+
+    monkeypatch.setattr(costmodel, "measure", disturbed)
+    path = tmp_path / "curve.json"
+    curve = load_or_measure(model, fwd, path=path)
+    assert curve.ms == (10.0, 12.0) and not path.exists() and len(calls) == costmodel.MEASURE_TRIES
+    assert "not cached" in capsys.readouterr().err
+    steady = iter([CostCurve((1, 2), (10.0, 12.0), spread=3.0), CostCurve((1, 2), (9.0, 11.0), spread=1.1)])
+    monkeypatch.setattr(costmodel, "measure", lambda *a, **k: next(steady))
+    assert load_or_measure(model, fwd, path=path).ms == (9.0, 11.0) and path.is_file()

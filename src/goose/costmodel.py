@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from .tree_tensors import ancestor_mask, tree_depths
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 REPEATS = 5  # timed passes over the grid (after one warm-up pass); the median of each size is kept
+MAX_SPREAD = 1.5  # a measurement whose passes differ more (median over sizes) was disturbed: not cached
+MEASURE_TRIES = 2  # measurements tried before a disturbed one is used uncached
 PROTOCOL = 2  # bumped when the measurement changes, so cached curves are measured again
 
 
@@ -32,6 +35,7 @@ PROTOCOL = 2  # bumped when the measurement changes, so cached curves are measur
 class CostCurve:
     sizes: tuple[int, ...]  # query tokens per forward, ascending
     ms: tuple[float, ...]  # median milliseconds per forward at each size
+    spread: float = 1.0  # median over sizes of 2nd slowest / 2nd fastest timed pass (1.0 when read from a file)
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.ms) or not self.sizes or list(self.sizes) != sorted(set(self.sizes)):
@@ -131,7 +135,15 @@ def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int 
                 c.keep([])  # back to the prefix
             if rep:
                 samples[n].append(dt)
-    return CostCurve(sizes, tuple(monotone([statistics.median(samples[n]) for n in sizes])))
+    spread = statistics.median(_spread(v) for v in samples.values())
+    return CostCurve(sizes, tuple(monotone([statistics.median(samples[n]) for n in sizes])), spread)
+
+
+def _spread(samples: list[float]) -> float:
+    """Slowest / fastest of one size's timed passes, ignoring one outlier each side when there are 4 or more."""
+    s = sorted(samples)
+    k = 1 if len(s) >= 4 else 0
+    return s[-1 - k] / s[k]
 
 
 def _read_curve(path: Path) -> CostCurve | None:
@@ -165,8 +177,13 @@ def load_or_measure(model, forward, remeasure: bool = False, path: Path | None =
             if curve is not None:
                 return curve
         cachefs.clean_stale(path.parent)
-        curve = measure(forward, vocab, sequences=sequences)
-        cachefs.write_text(path, json.dumps(curve.to_json()))
+        for _ in range(MEASURE_TRIES):
+            curve = measure(forward, vocab, sequences=sequences)
+            if curve.spread <= MAX_SPREAD:
+                cachefs.write_text(path, json.dumps(curve.to_json()))
+                return curve
+    print(f"goose: the forward's timings varied {curve.spread:.1f}x between passes (is the machine busy?); "
+          f"this cost curve is used now but not cached", file=sys.stderr)
     return curve
 
 

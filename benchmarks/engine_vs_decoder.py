@@ -1,0 +1,61 @@
+"""The Engine at concurrency 1 against a plain `Decoder`: the same step loop behind a thread and a queue.
+
+Both run each prompt in turn, interleaved prompt by prompt (so machine noise hits both alike), after one
+warm-up prompt each. Prints tokens/s of each and their ratio, and checks the tokens are identical.
+
+    .venv/bin/python benchmarks/engine_vs_decoder.py --method goose --limit 1 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from goose import Decoder, Engine, load_model
+from goose.bench import datasets
+from goose.bench.concurrency import cpu_name
+
+SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--method", default="goose")
+    ap.add_argument("--limit", type=int, default=1, help="Spec-Bench questions per category")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    questions = datasets.load(f"spec-bench:{SPEC}", None, args.limit)
+    dec = Decoder(model, tok, args.method)
+    prompts = [dec.encode(q.turns[0], chat=True) for q in questions]
+    times = {"decoder": 0.0, "engine": 0.0}
+    tokens = {"decoder": 0, "engine": 0}
+    same = 0
+    with Engine(model, tok, args.method, max_batch=1) as eng:
+        dec.generate(prompts[0], 16)
+        eng.submit(prompts[0], 16).result()
+        for ids in prompts:
+            t = time.perf_counter()
+            a = dec.generate(ids, args.max_new_tokens).token_ids
+            times["decoder"] += time.perf_counter() - t
+            t = time.perf_counter()
+            b = eng.submit(ids, args.max_new_tokens).result().token_ids
+            times["engine"] += time.perf_counter() - t
+            tokens["decoder"] += len(a)
+            tokens["engine"] += len(b)
+            same += a == b
+    rate = {k: tokens[k] / times[k] for k in times}
+    print(f"CPU: {cpu_name()}, {args.threads} threads, {args.model}, {args.method}, {len(prompts)} prompts x "
+          f"{args.max_new_tokens} tokens")
+    print(f"Decoder {rate['decoder']:.1f} tok/s, Engine(max_batch=1) {rate['engine']:.1f} tok/s, "
+          f"ratio {rate['engine'] / rate['decoder']:.3f}; identical {same}/{len(prompts)}")
+
+
+if __name__ == "__main__":
+    main()
