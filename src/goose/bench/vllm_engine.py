@@ -6,8 +6,9 @@ methods are interleaved on the same prompt token ids, so a busy machine slows th
 
 - batch 1: prompt by prompt, each prompt through every method (order rotated per prompt), one request
   at a time;
-- concurrency N: all prompts submitted at once, at most N running (``max_num_seqs = N``), method by
-  method, twice (the second round in reverse order; times and tokens add up).
+- concurrency N: on fresh engines (so no method remembers the batch-1 answers), all prompts submitted at
+  once, at most N running (``max_num_seqs = N``), method by method, twice (the second round in reverse
+  order; times and tokens add up).
 
 Greedy decoding, ``max_new_tokens`` per prompt. Every speculative method's tokens are compared with
 vLLM plain's (the lossless column); tokens/s are total generated tokens over wall time, and ratios are
@@ -140,13 +141,20 @@ def _serve() -> None:
             t0 = time.perf_counter()
             llm = LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"],
                       max_num_seqs=job["max_num_seqs"], speculative_config=SPEC_CONFIGS[job["method"]], seed=0,
-                      gpu_memory_utilization=0.2)
+                      gpu_memory_utilization=_memory_fraction(2.5))
             res = {"load_s": time.perf_counter() - t0}
             _generate(llm, [[1, 2, 3, 4]], 8)  # warm-up
         else:
             res = _generate(llm, job["prompts"], job["max_new_tokens"])
         print("GOOSE-RESULT " + json.dumps(res), flush=True)
         gc.collect()
+
+
+def _memory_fraction(gib: float) -> float:
+    """vLLM's CPU build reserves this fraction of the machine's memory (weights + KV cache): `gib` GiB,
+    so several engines fit side by side."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return min(0.9, gib / total)
 
 
 def _generate(llm, prompts: list[list[int]], max_new_tokens: int) -> dict:
@@ -175,22 +183,27 @@ def _drafter(llm):
 
 
 def run_interleaved(methods: list[str], model: str, prompts: list[list[int]], max_new_tokens: int,
-                    concurrency: list[int], threads: int = 2, log=None, rounds: int = 2) -> dict[str, dict]:
+                    concurrency: list[int], threads: int = 2, log=None, rounds: int = 2,
+                    fresh_engines: bool = True) -> dict[str, dict]:
     """Every method on the same prompts, interleaved: batch 1 prompt by prompt (method order rotated per
-    prompt), then each concurrency (all prompts at once, at most c running) method by method, `rounds` times
-    (method order reversed every other round; the times add up).
-    Returns {method: {"load_s", "runs": {"1": {...}, "c": {...}}}}."""
+    prompt), then, on fresh engines, each concurrency (all prompts at once, at most c running) method by
+    method, `rounds` times (method order reversed every other round; the times add up).
+
+    Fresh engines for the concurrency phase: methods that remember earlier requests (vLLM's `suffix`,
+    GooseProposer's memory) would otherwise copy the answers of the batch-1 phase; within a phase they
+    remember as a server would. Later rounds of a phase do see the earlier rounds' answers. With
+    `fresh_engines=False` (tests: token identity only) one engine per method serves both phases.
+    Returns {method: {"load_s", "runs": {"1": {...}, "c": {...}}, "proposer": {...}}}."""
+    say = log or (lambda msg: None)
     conc = [c for c in concurrency if c > 1]
     if len(conc) > 1:
         raise GooseError("one --concurrency value per run (each engine is built for it)")
     max_len = max(2048, max(len(p) for p in prompts) + max_new_tokens + 64)
-    workers: dict[str, Worker] = {}
-    try:
-        for m in methods:
-            (log or (lambda s: None))(f"loading vLLM {m}")
-            workers[m] = Worker(m, model, max_len, max(conc or [1]), threads)
-        out = {m: {"load_s": w.info["load_s"], "runs": {"1": {"token_ids": [], "wall_s": []}}}
-               for m, w in workers.items()}
+    out: dict[str, dict] = {m: {"runs": {"1": {"token_ids": [], "wall_s": []}}} for m in methods}
+    first = _engines(methods, model, max_len, 1 if fresh_engines else max(conc or [1]), threads, say)
+    with first as workers:
+        for m, w in workers.items():
+            out[m]["load_s"] = w.info["load_s"]
         for i, p in enumerate(prompts):
             order = methods[i % len(methods):] + methods[: i % len(methods)]
             for m in order:
@@ -198,26 +211,55 @@ def run_interleaved(methods: list[str], model: str, prompts: list[list[int]], ma
                 out[m]["runs"]["1"]["token_ids"].append(r["token_ids"][0])
                 out[m]["runs"]["1"]["wall_s"].append(r["seconds"])
                 if "proposer" in r:
-                    out[m]["proposer"] = r["proposer"]
-            (log or (lambda s: None))(f"batch 1: prompt {i + 1}/{len(prompts)}")
+                    out[m]["proposer"] = {"batch 1": r["proposer"]}
+            say(f"batch 1: prompt {i + 1}/{len(prompts)}")
         for m in methods:
             out[m]["runs"]["1"]["total_s"] = sum(out[m]["runs"]["1"]["wall_s"])
+        if not fresh_engines:
+            _concurrency(out, workers, methods, prompts, max_new_tokens, conc, rounds, say)
+    if fresh_engines:
         for c in conc:
-            for rnd in range(rounds):  # every method `rounds` times, order reversed each round; times add up
-                for m in (methods if rnd % 2 == 0 else methods[::-1]):
-                    r = workers[m].generate(prompts, max_new_tokens)
-                    run = out[m]["runs"].setdefault(str(c), {"token_ids": r["token_ids"], "total_s": 0.0,
-                                                             "rounds": []})
-                    if r["token_ids"] != run["token_ids"]:
-                        run["token_ids_rounds_differ"] = True
-                    run["rounds"].append(r["seconds"])
-                    run["total_s"] += r["seconds"]
-                    if "proposer" in r:
-                        out[m]["proposer"] = r["proposer"]
-            (log or (lambda s: None))(f"concurrency {c}: done")
-        return out
-    finally:
-        for w in workers.values():
+            with _engines(methods, model, max_len, c, threads, say) as workers:
+                _concurrency(out, workers, methods, prompts, max_new_tokens, [c], rounds, say)
+    return out
+
+
+def _concurrency(out, workers, methods, prompts, max_new_tokens, conc, rounds, say) -> None:
+    """All prompts at once per method, `rounds` times (order reversed every other round)."""
+    for c in conc:
+        for rnd in range(rounds):
+            for m in (methods if rnd % 2 == 0 else methods[::-1]):
+                r = workers[m].generate(prompts, max_new_tokens)
+                run = out[m]["runs"].setdefault(str(c), {"token_ids": r["token_ids"], "total_s": 0.0, "rounds": []})
+                if r["token_ids"] != run["token_ids"]:
+                    run["token_ids_rounds_differ"] = True
+                run["rounds"].append(r["seconds"])
+                run["total_s"] += r["seconds"]
+                if "proposer" in r:
+                    out[m].setdefault("proposer", {})[f"concurrency {c}"] = r["proposer"]
+        say(f"concurrency {c}: done")
+
+
+class _engines:
+    """Context manager: one Worker per method, all closed on exit."""
+
+    def __init__(self, methods, model, max_len, max_num_seqs, threads, say) -> None:
+        self.args = (methods, model, max_len, max_num_seqs, threads, say)
+        self.workers: dict[str, Worker] = {}
+
+    def __enter__(self) -> dict[str, Worker]:
+        methods, model, max_len, seqs, threads, say = self.args
+        try:
+            for m in methods:
+                say(f"loading vLLM {m} (max_num_seqs {seqs})")
+                self.workers[m] = Worker(m, model, max_len, seqs, threads)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.workers
+
+    def __exit__(self, *exc) -> None:
+        for w in self.workers.values():
             w.close()
 
 
@@ -271,7 +313,8 @@ def render(table: dict, meta: dict) -> str:
     lines = [f"# vLLM: plain vs speculative methods ({meta['cpu']}, {meta['threads']} threads)", "",
              f"vLLM {meta['vllm']}, model `{meta['model']}` float32, {meta['prompts']} prompts "
              f"({meta['dataset']}), max_new_tokens {meta['max_new_tokens']}, greedy; speculative configs: "
-             f"`{json.dumps({m: SPEC_CONFIGS[m] for m in meta['methods']})}`.", ""]
+             f"`{json.dumps({m: SPEC_CONFIGS[m] for m in meta['methods']})}`. Batch 1: methods interleaved "
+             f"prompt by prompt; concurrency: fresh engines, all prompts at once, two rounds per method.", ""]
     for c, rows in table.items():
         lines += [f"## {'batch 1' if c == '1' else f'concurrency {c}'}", "",
                   "| method | tokens | s | tok/s | vs plain | vs ngram | vs suffix | identical to plain |",
