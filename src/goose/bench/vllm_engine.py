@@ -339,6 +339,11 @@ def cmd_bench_vllm(args, questions, argv: list[str]) -> int:
         raise GooseError(f"unknown vLLM method '{bad[0]}'; choose from: {', '.join(METHODS)}")
     if "plain" not in methods:
         methods = ["plain"] + methods  # the reference of the lossless column and the ratios
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("vllm") is None:
+        raise GooseError("--engine vllm needs vLLM: run it from the vLLM venv (`make vllm`, then "
+                         ".venv-vllm/bin/goose bench --engine vllm ...)")
     reason = cpu_support()
     if reason:
         raise GooseError(reason)
