@@ -13,7 +13,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,7 @@ PROTOCOL = 2  # bumped when the measurement changes, so cached curves are measur
 class CostCurve:
     sizes: tuple[int, ...]  # query tokens per forward, ascending
     ms: tuple[float, ...]  # median milliseconds per forward at each size
-    spread: float = 1.0  # median over sizes of 2nd slowest / 2nd fastest timed pass (1.0 when read from a file)
+    spread: float = field(default=1.0, compare=False)  # median over sizes of 2nd slowest / 2nd fastest timed pass (1.0 when read from a file)
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.ms) or not self.sizes or list(self.sizes) != sorted(set(self.sizes)):

@@ -2,26 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
+from ..cliargs import add_model_args, int_in, method_name, positive_int
 
-from ..cliargs import add_model_args, method_name, positive_int
-
-
-def _port(text: str) -> int:
-    value = positive_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be <= 65535, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_port = int_in(1, 65535)
+_non_negative_int = int_in(0)
 
 
 def cmd_serve(args) -> int:
