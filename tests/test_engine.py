@@ -279,3 +279,27 @@ def test_changed_weights_are_never_decoded_stale(dtype):
             model.lm_head.weight.mul_(-1.0)
         ref3 = hf_greedy(model, prompt, 20)
         assert eng.submit(prompt, 20).result(timeout=60).token_ids == ref3
+
+
+def test_engine_loop_on_the_callers_thread(models):
+    """Engine(thread=False): run() drives the step loop on the calling thread until close() from another."""
+    model = models["float32"]
+    prompts = [[4, 5, 6], [7, 8, 9, 7, 8], [3] * 5]
+    eng = Engine(model, None, "goose", max_batch=2, thread=False)
+    out = []
+
+    def client():
+        try:
+            out.extend(eng.generate_batch(prompts, 20))
+        finally:
+            eng.close()
+
+    th = threading.Thread(target=client)
+    th.start()
+    eng.run()
+    th.join(60)
+    assert [r.token_ids for r in out] == [greedy(model, p, 20) for p in prompts]
+    with pytest.raises(GooseError, match="already running|closed"):
+        eng.submit([3], 5)
+    with Engine(model, None, "ar") as threaded, pytest.raises(GooseError, match="own thread"):
+        threaded.run()

@@ -143,10 +143,17 @@ class Engine:
     more requests per forward raise throughput and each request's time per token). `max_queue`: waiting
     requests beyond which `submit` raises GooseError (None: unbounded). `prefill_chunk`: prompt tokens all
     prefilling requests may add in one step (None: each request's ``prefill_chunk`` option, 512 by default).
+
+    `thread`: True (default) runs the step loop on a background thread of the engine's own; False leaves it
+    to the caller: `run()` runs it on the calling thread until `close()`. torch's OpenMP runtime keeps a
+    thread team per calling thread; on a small CPU a second team makes the forward's parallel regions wake
+    sleeping workers instead of spinning ones, so on an otherwise quiet machine the step loop is fastest on
+    the thread that did the process's first torch work (docs/performance.md §8).
     """
 
     def __init__(self, model, tokenizer=None, method: str | Method = "goose", max_batch: int = 8, config=None,
-                 *, forward=None, max_queue: int | None = None, prefill_chunk: int | None = None) -> None:
+                 *, forward=None, max_queue: int | None = None, prefill_chunk: int | None = None,
+                 thread: bool = True) -> None:
         if max_batch < 1:
             raise GooseError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue is not None and max_queue < 0:
@@ -173,8 +180,11 @@ class Engine:
         self._closed = False
         self.steps = 0  # forwards run so far
         self.batch_sizes: list[int] = []  # requests per step (for metrics)
-        self._thread = threading.Thread(target=self._loop, name="goose-engine", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._loop, name="goose-engine", daemon=True) if thread else None
+        self._runner_done = threading.Event()
+        self._runner: threading.Thread | None = None
+        if self._thread is not None:
+            self._thread.start()
 
     # ---- public API ----------------------------------------------------------------------------------
     def submit(self, prompt_or_ids: str | list[int], max_new_tokens: int = 128, chat: bool = False, *,
@@ -232,6 +242,15 @@ class Engine:
                 for r in [*self._waiting, *self._running]:
                     r.cancel()
             self._cond.notify_all()
+        if self._thread is None:  # the loop runs in `run()` on the caller's thread (if it ever started)
+            if threading.current_thread() is not self._runner and self._runner is not None \
+                    and not self._runner_done.wait(timeout):
+                with self._cond:
+                    for r in [*self._waiting, *self._running]:
+                        r.cancel()
+                    self._cond.notify_all()
+                self._runner_done.wait()
+            return
         self._thread.join(timeout)
         if self._thread.is_alive():
             with self._cond:
@@ -239,6 +258,19 @@ class Engine:
                     r.cancel()
                 self._cond.notify_all()
             self._thread.join()
+
+    def run(self) -> None:
+        """With ``thread=False``: run the step loop on this thread until `close()` (called from another
+        thread) and the queued and running requests are finished."""
+        if self._thread is not None:
+            raise GooseError("this engine runs its own thread; run() is for Engine(..., thread=False)")
+        if self._runner is not None:
+            raise GooseError("the engine's loop is already running")
+        self._runner = threading.current_thread()
+        try:
+            self._loop()
+        finally:
+            self._runner_done.set()
 
     def __enter__(self) -> "Engine":
         return self
