@@ -21,11 +21,16 @@ def match_kind(consensus: bool, chain_len: int) -> int:
     return CONSENSUS if consensus else LONG if chain_len >= 8 else SHORT
 
 
-def _spine_bucket(depth: int) -> int:
-    for i, edge in enumerate(_SPINE_DEPTH_EDGES):
+def depth_bucket(depth: int, edges: tuple[int, ...]) -> int:
+    """Index of the first edge >= depth (len(edges) past the last one)."""
+    for i, edge in enumerate(edges):
         if depth <= edge:
             return i
-    return len(_SPINE_DEPTH_EDGES)
+    return len(edges)
+
+
+def _spine_bucket(depth: int) -> int:
+    return depth_bucket(depth, _SPINE_DEPTH_EDGES)
 
 
 class AcceptanceModel:

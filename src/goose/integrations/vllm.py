@@ -49,7 +49,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..acceptance import SHORT, match_kind
+from ..acceptance import SHORT, depth_bucket, match_kind
 from ..config import NgramConfig
 from ..ngram import NgramIndex, Proposal
 
@@ -86,10 +86,7 @@ class ProposerConfig:
 
 
 def _bucket(depth: int) -> int:
-    for i, edge in enumerate(_DEPTH_EDGES):
-        if depth <= edge:
-            return i
-    return len(_DEPTH_EDGES)
+    return depth_bucket(depth, _DEPTH_EDGES)
 
 
 class ChainAcceptance:
