@@ -6,7 +6,9 @@ import random
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
+from goose.config import GooseConfig, NgramConfig, SpineTreeConfig
 from goose.datastore import Datastore, from_token_ids
 
 TINY_VOCAB = 96
@@ -96,3 +98,20 @@ def _cost_curves_in_tmp(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(costmodel, "cache_root", lambda: root)
         yield
+
+
+# Property-based inputs shared by the losslessness oracles (float64 and float32 kernel paths).
+prompts = st.one_of(
+    st.lists(st.integers(2, TINY_VOCAB - 1), min_size=1, max_size=40),
+    # repetitive prompts: a short motif repeated (exercises the spine, consensus and bypass)
+    st.builds(lambda motif, reps, tail: motif * reps + tail,
+              st.lists(st.integers(2, TINY_VOCAB - 1), min_size=1, max_size=6), st.integers(2, 8),
+              st.lists(st.integers(2, TINY_VOCAB - 1), max_size=3)),
+)
+configs = st.builds(
+    lambda budget, chain, ext, sizes: GooseConfig(
+        ngram=NgramConfig(ngram_sizes=sizes, max_chain=chain, max_extended_chain=max(chain, ext)),
+        tree=SpineTreeConfig(budget=budget)),
+    st.integers(1, 80), st.integers(1, 25), st.integers(1, 120),
+    st.sampled_from([(5, 4, 3), (3, 2, 1), (2,), (4, 1)]),
+)

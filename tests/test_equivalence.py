@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_EOS, TINY_VOCAB, hf_greedy, make_tiny_llama, method_for
-from goose.config import DecodeConfig, GooseConfig, NgramConfig, SpineTreeConfig
+from conftest import TINY_EOS, TINY_VOCAB, configs, hf_greedy, make_tiny_llama, method_for, prompts
+from goose.config import DecodeConfig
 from goose.costmodel import CostCurve
 from goose.decoding import Decoder
 from goose.forward import HFForward
@@ -74,22 +74,6 @@ CURVES = {
     "flat": CostCurve((1, 128), (10, 10.5)),
     "steep": CostCurve((1, 2, 128), (10, 40, 1000)),
 }
-
-prompts = st.one_of(
-    st.lists(st.integers(2, TINY_VOCAB - 1), min_size=1, max_size=40),
-    # repetitive prompts: a short motif repeated (exercises the spine, consensus and bypass)
-    st.builds(lambda motif, reps, tail: motif * reps + tail,
-              st.lists(st.integers(2, TINY_VOCAB - 1), min_size=1, max_size=6), st.integers(2, 8),
-              st.lists(st.integers(2, TINY_VOCAB - 1), max_size=3)),
-)
-configs = st.builds(
-    lambda budget, chain, ext, sizes: GooseConfig(
-        ngram=NgramConfig(ngram_sizes=sizes, max_chain=chain, max_extended_chain=max(chain, ext)),
-        tree=SpineTreeConfig(budget=budget)),
-    st.integers(1, 80), st.integers(1, 25), st.integers(1, 120),
-    st.sampled_from([(5, 4, 3), (3, 2, 1), (2,), (4, 1)]),
-)
-
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=prompts, max_new=st.integers(1, 48), cfg=configs, seed=st.integers(0, 2),

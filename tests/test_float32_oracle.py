@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_EOS, TINY_VOCAB, make_tiny_llama, method_for
+from conftest import TINY_EOS, configs, make_tiny_llama, method_for, prompts
 from goose import cpukernel
-from goose.config import DecodeConfig, GooseConfig, NgramConfig, SpineTreeConfig
+from goose.config import DecodeConfig
 from goose.costmodel import CostCurve
 from goose.decoding import Decoder, default_forward
 from goose.methods import METHODS
@@ -48,19 +48,6 @@ def test_the_float32_path_is_goose_kernels():
         assert fwd.backend.startswith("goose-avx2") and fwd.attn_kernel is not None, fwd.backend
 
 
-prompts = st.one_of(
-    st.lists(st.integers(2, TINY_VOCAB - 1), min_size=1, max_size=40),
-    st.builds(lambda motif, reps, tail: motif * reps + tail,  # repetitive: the spine, long chains, bypass
-              st.lists(st.integers(2, TINY_VOCAB - 1), min_size=1, max_size=6), st.integers(2, 8),
-              st.lists(st.integers(2, TINY_VOCAB - 1), max_size=3)),
-)
-configs = st.builds(
-    lambda budget, chain, ext, sizes: GooseConfig(
-        ngram=NgramConfig(ngram_sizes=sizes, max_chain=chain, max_extended_chain=max(chain, ext)),
-        tree=SpineTreeConfig(budget=budget)),
-    st.integers(1, 80), st.integers(1, 25), st.integers(1, 120),
-    st.sampled_from([(5, 4, 3), (3, 2, 1), (2,), (4, 1)]),
-)
 sampling = st.one_of(
     st.just({}),
     st.builds(lambda t, k, p, s: {"do_sample": True, "temperature": t, "top_k": k, "top_p": p, "seed": s},
