@@ -5,6 +5,7 @@ PyTorch's kernels and the HF model."""
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 
@@ -298,3 +299,39 @@ def test_hf_forward_kernel_refused_for_float64():
 
     with pytest.raises(GooseError, match="float32"):
         HFForward(_fp32("llama").double(), kernel=True)
+
+
+def _tasks() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info() or (os.cpu_count() or 1) < 2
+                    or not os.path.isdir("/proc/self/task"), reason="torch runs without an OpenMP team here")
+def test_release_thread_team_frees_the_callers_workers_of_torchs_libgomp():
+    import threading
+    import time
+
+    pytest.importorskip("sentencepiece")  # bundles a second libgomp: the release must find torch's
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    path = cpukernel._libgomp_path()
+    assert path is not None and os.path.realpath(path).startswith(os.path.dirname(os.path.realpath(torch.__file__)))
+    box = {}
+
+    def worker():  # a fresh thread: its team is created by the op and freed by the release
+        before = _tasks()
+        torch.ones(1 << 22).sum()  # a parallel region: this thread's team appears
+        box["with_team"] = _tasks() - before
+        box["released"] = cpukernel.release_thread_team()
+        deadline = time.monotonic() + 5
+        while (_tasks() - before) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        box["after"] = _tasks() - before
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    torch.set_num_threads(before_threads)
+    assert box["with_team"], "the parallel op started no worker thread"
+    assert box["released"] is True
+    assert not box["after"], "the workers of the released team are still alive"

@@ -17,6 +17,7 @@ import time
 from collections import deque
 
 from ..costmodel import load_or_measure_batch
+from ..cpukernel import release_thread_team
 from ..decoding import GenerationResult, context_limit, decode_config, default_forward, encode, eos_ids, id_set, \
     text_pieces
 from ..errors import GooseError
@@ -145,10 +146,12 @@ class Engine:
     prefilling requests may add in one step (None: each request's ``prefill_chunk`` option, 512 by default).
 
     `thread`: True (default) runs the step loop on a background thread of the engine's own; False leaves it
-    to the caller: `run()` runs it on the calling thread until `close()`. torch's OpenMP runtime keeps a
-    thread team per calling thread; on a small CPU a second team makes the forward's parallel regions wake
-    sleeping workers instead of spinning ones, so on an otherwise quiet machine the step loop is fastest on
-    the thread that did the process's first torch work (docs/performance.md §8).
+    to the caller: `run()` runs it on the calling thread until `close()`. torch's OpenMP runtime (libgomp)
+    keeps a team of worker threads per thread that ran torch work, and once the process holds more such
+    threads than CPUs every idle worker sleeps instead of spinning, which made the step loop ~2.8x slower on
+    2 cores. So the constructor and `submit` free their calling thread's team after their own torch work
+    (`cpukernel.release_thread_team`); other torch work on other threads while the engine runs slows it
+    (docs/performance.md §8).
     """
 
     def __init__(self, model, tokenizer=None, method: str | Method = "goose", max_batch: int = 8, config=None,
@@ -185,6 +188,7 @@ class Engine:
         self._runner: threading.Thread | None = None
         if self._thread is not None:
             self._thread.start()
+            release_thread_team()  # this thread's torch work (above) is done: the engine's team is the only one
 
     # ---- public API ----------------------------------------------------------------------------------
     def submit(self, prompt_or_ids: str | list[int], max_new_tokens: int = 128, chat: bool = False, *,
@@ -217,6 +221,8 @@ class Engine:
                 raise GooseError(f"the queue is full ({self.max_queue} waiting requests)")
             self._waiting.append(req)
             self._cond.notify_all()
+        if self._thread not in (None, threading.current_thread()):  # preparing it may have run torch work here
+            release_thread_team()
         return req
 
     def generate(self, prompt_or_ids, max_new_tokens: int = 128, chat: bool = False, **options) -> GenerationResult:
