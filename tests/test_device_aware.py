@@ -13,7 +13,8 @@ from conftest import hf_greedy, make_tiny_llama
 from goose import costmodel
 from goose.acceptance import CONSENSUS, SHORT, AcceptanceModel
 from goose.config import AcceptanceConfig
-from goose.costmodel import CostCurve, load_or_measure, measure, monotone
+from goose.costmodel import BatchCostCurve, CostCurve, load_or_measure, measure, monotone
+from goose.engine.step import WORTH_MARGIN
 from goose.forward import HFForward
 from goose.selector import path_probs, select
 from goose.tree import BRANCH, SPINE, DraftTree
@@ -186,3 +187,51 @@ def test_a_disturbed_measurement_is_used_but_not_cached(tmp_path, monkeypatch, c
     steady = iter([CostCurve((1, 2), (10.0, 12.0), spread=3.0), CostCurve((1, 2), (9.0, 11.0), spread=1.1)])
     monkeypatch.setattr(costmodel, "measure", lambda *a, **k: next(steady))
     assert load_or_measure(model, fwd, path=path).ms == (9.0, 11.0) and path.is_file()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_best_child_bounds_every_path_probability(data):
+    """`best_child` is an upper bound on the path probability of every node of any tree (what lets the step
+    loop skip building a tree whose root children are all too unlikely), learned counts included."""
+    acc = AcceptanceModel(AcceptanceConfig())
+    kind = data.draw(st.sampled_from([CONSENSUS, SHORT]))
+    n = data.draw(st.integers(2, 12))
+    tree = DraftTree.root(0)
+    for i in range(1, n):
+        parent = data.draw(st.integers(0, i - 1))
+        spine_ok = parent == 0 or tree.sources[parent] == SPINE
+        tree.add(parent, i, SPINE if spine_ok and data.draw(st.booleans()) else BRANCH, data.draw(st.integers(0, 12)))
+    keys = acc.keys(tree, kind)
+    for _ in range(data.draw(st.integers(0, 30))):  # learn from random walks down the tree
+        path = [0]
+        while True:
+            kids = [i for i in range(1, n) if tree.parents[i] == path[-1]]
+            if not kids or not data.draw(st.booleans()):
+                break
+            path.append(data.draw(st.sampled_from(kids)))
+        acc.update(tree, keys, WalkResult(path, 0))
+    has_spine = any(tree.sources[i] == SPINE for i in range(1, n))
+    bound = acc.best_child(kind, has_spine)
+    probs = path_probs(tree, acc.node_probs(tree, kind)[0])
+    assert max(probs[1:]) <= bound + 1e-12
+
+
+def test_candidates_skip_the_tree_below_min_prob(tiny_model):
+    from goose.engine.step import _worth
+    from goose.methods import make_method
+
+
+    m = make_method("goose", tiny_model.config.vocab_size, None)
+    m._set_cost(CostCurve((1, 4, 16), (10.0, 12.0, 20.0)))
+    m.begin([5, 6, 7, 5, 6, 7, 5, 6])
+    full = m.candidates(7, 6)
+    assert len(full.tree) > 1  # the repeated context gives a spine
+    skipped = m.candidates(7, 6, None, min_prob=1.0)  # no node can reach probability 1 (max_prob < 1)
+    assert len(skipped.tree) == 1 and skipped.tree.route == "ar"
+    assert len(m.candidates(7, 6, None, min_prob=1e-6).tree) == len(full.tree)
+    # the threshold: tokens per ms of a plain step times a row's marginal cost, 0 without a curve
+    cost = BatchCostCurve.single(CostCurve((1, 4, 16), (10.0, 12.0, 20.0)))
+    assert _worth(None, 1, 1, 1.0) == 0.0
+    assert _worth(cost, 1, 1, 1.0) == pytest.approx(WORTH_MARGIN * 1.0 * (cost(1, 5) - 10.0) / 4 / 10.0)
+    assert _worth(cost, 1, 14, 1.0) == 0.0  # past the curve: never skip

@@ -66,6 +66,13 @@ class AcceptanceModel:
         p = (acc + s * self._prior(key)) / (trials + s)
         return min(p, self.cfg.max_prob)
 
+    def best_child(self, kind: int, spine: bool) -> float:
+        """The highest acceptance probability any child of the root can have (a spine child of match `kind`
+        when `spine`, a branch child of any rank): every node's path probability is at most its depth-1
+        ancestor's."""
+        best = max(self.prob(("b", r, 1)) for r in range(self.cfg.max_rank + 1))
+        return max(best, self.prob(("s", kind, _spine_bucket(1)))) if spine else best
+
     def node_probs(self, tree: DraftTree, kind: int) -> tuple[list[float], list[tuple]]:
         keys = self.keys(tree, kind)
         return [1.0] + [self.prob(k) for k in keys[1:]], keys

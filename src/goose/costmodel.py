@@ -86,13 +86,29 @@ def monotone(ms: list[float]) -> list[float]:
     return [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
 
 
+_KERNEL_SOURCES = ("cpu_kernels.cpp", "quant_kernels.cpp")
+_kernels_digest: list[str] = []
+
+
+def kernels_digest() -> str:
+    """A hash of goose's kernel sources: a new kernel measures its own curves."""
+    if not _kernels_digest:
+        h = hashlib.sha1()
+        for name in _KERNEL_SOURCES:
+            path = Path(__file__).with_name(name)
+            h.update(path.read_bytes() if path.exists() else b"")
+        _kernels_digest.append(h.hexdigest()[:12])
+    return _kernels_digest[0]
+
+
 def curve_key(model, forward) -> str:
-    """Identifies what the curve depends on: model shape, dtype, device, threads and forward backend."""
+    """Identifies what the curve depends on: model shape, dtype, device, threads, forward backend and goose's
+    kernel sources."""
     cfg = model.config
     parts = [getattr(cfg, "model_type", "?"), getattr(cfg, "_name_or_path", ""),
              str(sum(p.numel() for p in model.parameters())), str(next(model.parameters()).dtype),
              str(next(model.parameters()).device), f"threads={torch.get_num_threads()}", type(forward).__name__,
-             getattr(forward, "backend", ""), f"protocol={PROTOCOL}"]
+             getattr(forward, "backend", ""), f"protocol={PROTOCOL}", f"kernels={kernels_digest()}"]
     digest = hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
     return f"{parts[0]}-{digest}"
 
@@ -197,10 +213,19 @@ class BatchCostCurve:
     the cost is interpolated linearly, past the last one extrapolated from the last two."""
 
     curves: tuple[tuple[int, CostCurve], ...]  # (sequences, curve), ascending
+    _tables: dict = field(default_factory=dict, compare=False, repr=False)  # sequences -> cost per size
 
     @property
     def max_size(self) -> int:
         return self.curves[-1][1].max_size
+
+    def table(self, sequences: int) -> list[float]:
+        """``cost(sequences, n)`` for n = 0..max_size (index 0: 0.0), computed once per sequence count: the
+        step loop's lookups."""
+        t = self._tables.get(sequences)
+        if t is None:
+            t = self._tables[sequences] = [0.0] + [self(sequences, n) for n in range(1, self.max_size + 1)]
+        return t
 
     def __call__(self, sequences: int, n: float) -> float:
         pts = self.curves

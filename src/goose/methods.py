@@ -203,12 +203,19 @@ class DeviceAwareGoose(GoosePaper):
         if not self.cfg.device_aware.carry_over:
             self.acc.reset()
 
-    def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None) -> Candidates:
+    def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
+                   min_prob: float = 0.0) -> Candidates:
         """The candidate tree (cut at `max_depth`) and its nodes' path probabilities; the step loop chooses
-        the subtree to verify (`selector.allocate`, for one request the same rule as `draft`)."""
+        the subtree to verify (`selector.allocate`, for one request the same rule as `draft`). When no
+        child of the root can be accepted with probability `min_prob` or more, the tree is not built (a
+        plain step: the caller's estimate of what a node must bring to pay for its row)."""
         first = self.index.propose()
         prop = self.index.propose_extended(self.cfg.ngram, first)
         self._kind = match_kind(first.consensus, len(first.chain))
+        if min_prob > 0 and self.acc.best_child(self._kind, bool(prop.chain)) < min_prob:
+            root = DraftTree.root(anchor)
+            root.route = "ar"
+            return Candidates(root, [1.0])
         cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg)
         if max_depth is not None:
             cand = cand.within_depth(max_depth)

@@ -77,8 +77,9 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
 // ---- 16-lane float vectors: one zmm with AVX-512, two ymm otherwise ----
 #ifdef __AVX512F__
-constexpr int kTile = 6;      // rows per register tile (2 panels x 6 rows = 12 accumulators of 32)
-constexpr int kPairRows = 6;  // tiles of up to this many rows run over two panels at once
+constexpr int kTile = 8;      // rows per register tile (2 panels x 8 rows = 16 accumulators of 32; 8 rows
+                              // read each unpacked group 1.25x as often as 6 did: ~100 GFMA/s, not ~90)
+constexpr int kPairRows = 8;  // tiles of up to this many rows run over two panels at once
 struct V {
   __m512 v;
 };
@@ -186,7 +187,7 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const uint8_t* const* w
                  const int* cols, const float* const* bias, bool accumulate) {
   constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
   V acc[R][P];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int p = 0; p < P; ++p) acc[r][p] = vzero();
@@ -219,13 +220,13 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const uint8_t* const* w
             hi[p] = vfma(hi[p], s[p], o[p]);
           }
         }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const V xv = vset(xg[r * ldx + 2 * j]);
 #pragma GCC unroll 2
           for (int p = 0; p < P; ++p) acc[r][p] = vfma(xv, lo[p], acc[r][p]);
         }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const V xv = vset(xg[r * ldx + 2 * j + 1]);
 #pragma GCC unroll 2
@@ -242,7 +243,7 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const uint8_t* const* w
           else
             wv[p] = vmul(vu8(q[p] + 16 * j, 32), s[p]);
         }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const V xv = vset(xg[r * ldx + j]);
 #pragma GCC unroll 2
@@ -251,7 +252,7 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const uint8_t* const* w
       }
     }
   }
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int p = 0; p < P; ++p) store(y + r * ldy + p * kCols, acc[r][p], cols[p], bias[p], accumulate);
@@ -262,6 +263,8 @@ inline void rows(int r, const float* x, int64_t ldx, int64_t K, const uint8_t* c
                  const int* cols, const float* const* bias, bool accumulate) {
   switch (r) {
 #ifdef __AVX512F__
+    case 8: tile<F, 8, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 7: tile<F, 7, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
     case 6: tile<F, 6, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
     case 5: tile<F, 5, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
 #endif
@@ -307,22 +310,23 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
       cols[t] = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
       b[t] = bias ? bias + p * kCols : nullptr;
     }
-    for (int64_t m = 0; m < M; m += kTile) {
-      const int r = static_cast<int>(M - m < kTile ? M - m : kTile);
+    const int64_t tiles = (M + kTile - 1) / kTile;  // rows spread evenly over the fewest tiles (12 = 6 + 6)
+    for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
+      r = (M - m) / (tiles - i);
       const float* xm = x + m * K;
       float* ym = y + m * N + p0 * kCols;
       if (np == 2 && r <= kPairRows) {
         if (m == 0)
-          rows<F, 2, true>(r, xm, K, K, w, ym, N, cols, b, acc);
+          rows<F, 2, true>(static_cast<int>(r), xm, K, K, w, ym, N, cols, b, acc);
         else
-          rows<F, 2, false>(r, xm, K, K, w, ym, N, cols, b, acc);
+          rows<F, 2, false>(static_cast<int>(r), xm, K, K, w, ym, N, cols, b, acc);
         continue;
       }
       for (int t = 0; t < np; ++t) {
         if (m == 0)
-          rows<F, 1, true>(r, xm, K, K, w + t, ym + t * kCols, N, cols + t, b + t, acc);
+          rows<F, 1, true>(static_cast<int>(r), xm, K, K, w + t, ym + t * kCols, N, cols + t, b + t, acc);
         else
-          rows<F, 1, false>(r, xm, K, K, w + t, ym + t * kCols, N, cols + t, b + t, acc);
+          rows<F, 1, false>(static_cast<int>(r), xm, K, K, w + t, ym + t * kCols, N, cols + t, b + t, acc);
       }
     }
   }

@@ -78,15 +78,19 @@ def allocate_counts(cands: list[Candidates], fixed_tokens: int = 0, fixed_value:
     if cost is None:
         return [len(c.tree) - 1 for c in cands]
     seqs = sequences or len(cands)
+    base_n = fixed_tokens + len(cands)
     if isinstance(cost, (list, tuple)):
         cap = len(cost) - 1
         at = cost.__getitem__
     else:
         cap = cost.max_size
-        at = lambda n: cost(seqs, n)  # noqa: E731
-    base_n = fixed_tokens + len(cands)
-    merged = sorted(((c.probs[i], r) for r, c in enumerate(cands) for i in c.order), key=lambda pr: -pr[0])
-    merged = merged[: max(0, cap - base_n)]
+        at = cost.table(seqs).__getitem__ if base_n <= cap else (lambda n: cost(seqs, n))  # noqa: E731
+    room = max(0, cap - base_n)
+    merged = [(c.probs[i], r) for r, c in enumerate(cands) for i in c.order[:room]]
+    if not merged:
+        return [0] * len(cands)
+    merged.sort(key=lambda pr: -pr[0])
+    merged = merged[:room]
     value = fixed_value + len(cands)
     best_m, best_rate = 0, value / at(max(base_n, 1))
     for m, (p, _) in enumerate(merged, start=1):

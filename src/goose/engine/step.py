@@ -138,17 +138,7 @@ def _step(forward, slots: list[Slot], cost, budget: int | None) -> None:
         s.new, s.new_sources = [], []
     decoding = [s for s in slots if s.state == DECODE]
     clock = _Clock(decoding)
-    # 1. draft (decoding slots) and prefill chunks (token budget shared by the prefilling slots)
-    for s in decoding:
-        anchor = s.out[-1]
-        prev = s.out[-2] if len(s.out) > 1 else s.prompt[-1]
-        room = None if s.limit is None else s.limit - 1 - s.cache.length
-        cand = getattr(s.method, "candidates", None)
-        if cand is not None:
-            s._cands, s._tree = cand(anchor, prev, room), None
-        else:
-            tree = s.method.draft(anchor, prev)
-            s._tree, s._cands = (tree if room is None else tree.within_depth(room)), None
+    # 1. prefill chunks (token budget shared by the prefilling slots) and drafts (decoding slots)
     prefilling = [s for s in slots if s.state == PREFILL]
     chunks: dict[int, list[int]] = {}
     if prefilling:
@@ -159,6 +149,18 @@ def _step(forward, slots: list[Slot], cost, budget: int | None) -> None:
                 break
             chunks[id(s)] = s.prompt[s.filled : s.filled + take]
             left -= take
+    min_prob = _worth(cost, len(chunks) + len(decoding), sum(map(len, chunks.values())) + len(decoding),
+                      len(decoding))
+    for s in decoding:
+        anchor = s.out[-1]
+        prev = s.out[-2] if len(s.out) > 1 else s.prompt[-1]
+        room = None if s.limit is None else s.limit - 1 - s.cache.length
+        cand = getattr(s.method, "candidates", None)
+        if cand is not None:
+            s._cands, s._tree = cand(anchor, prev, room, min_prob), None
+        else:
+            tree = s.method.draft(anchor, prev)
+            s._tree, s._cands = (tree if room is None else tree.within_depth(room)), None
     clock("draft")
     # 2. select: the batch's best subtrees for the slots that offer candidates
     fixed = sum(len(c) for c in chunks.values()) + sum(len(s._tree.all_tokens) for s in decoding if s._tree)
@@ -216,6 +218,23 @@ def _step(forward, slots: list[Slot], cost, budget: int | None) -> None:
         s.method.commit(s.new)
         s.stats.record_step(tree, walk)
         _add(s, "commit", t)
+
+
+WORTH_ROWS = 4  # the marginal cost of a draft row: averaged over this many rows (the curve has flat steps)
+WORTH_MARGIN = 0.8  # a request's candidates are built when its best child may bring 80% of a row's price
+
+
+def _worth(cost, sequences: int, rows: int, value: float) -> float:
+    """About the acceptance probability a draft node must reach to pay for its row in this step: the step's
+    tokens per millisecond without drafts (`value` tokens for `rows` rows) times the marginal cost of a
+    row, times WORTH_MARGIN. Only speed depends on it (requests whose root children are all below it verify
+    a plain step without building a candidate tree); 0 without a cost curve."""
+    if cost is None or value <= 0 or rows < 1 or rows + WORTH_ROWS > cost.max_size:
+        return 0.0
+    table = cost.table(sequences)
+    base = table[rows]
+    marginal = (table[rows + WORTH_ROWS] - base) / WORTH_ROWS
+    return WORTH_MARGIN * value * marginal / base if base > 0 else 0.0
 
 
 def _add(s: Slot, name: str, t: float) -> float:
