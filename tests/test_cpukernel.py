@@ -118,6 +118,46 @@ def test_attention_matches_float64_reference(n, kh, group, d, prefix, tree, seed
 
 
 @needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(segs=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 30), st.booleans()), min_size=1, max_size=5),
+       seed=st.integers(0, 2**31 - 1))
+def test_attention_batch_equals_each_sequence_alone(segs, seed):
+    """Several sequences' attention in one call: every row and every cache bit-identical to the sequence's
+    own step (causal runs and trees, different prefixes and capacities)."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kh, d, layers = 6, 2, 16, 2
+    qkvs, steps_alone, steps_batch, caches = [], [], [], []
+    for n, prefix, tree in segs:
+        cap = prefix + n + int(torch.randint(0, 5, (1,), generator=g))
+        qkvs.append(torch.randn(n, (heads + 2 * kh) * d, generator=g))
+        ang = torch.rand(n, d // 2, generator=g) * 6.3
+        cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
+        allowed = None
+        if tree and n > 1:
+            parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+            allowed = torch.eye(n, dtype=torch.bool)
+            for i in range(1, n):
+                allowed[i] |= allowed[parents[i]]
+        cache = torch.randn(layers, 2, kh, cap, d, generator=g)
+        twin = cache.clone()
+        caches.append((cache, twin))
+        steps_alone.append(KERNEL.attention_step(heads, cos, sin, cache, prefix, allowed, d ** -0.5))
+        steps_batch.append(KERNEL.attention_step(heads, cos, sin, twin, prefix, allowed, d ** -0.5))
+    batch = KERNEL.attention_batch(steps_batch)
+    qkv = torch.cat(qkvs)
+    for layer in range(layers):
+        together = batch(layer, qkv)
+        alone = torch.cat([s(layer, q) for s, q in zip(steps_alone, qkvs)])
+        assert torch.equal(together, alone)
+    for cache, twin in caches:
+        assert torch.equal(cache, twin)
+    with pytest.raises(ValueError):
+        batch(0, qkv[:-1].contiguous())
+    with pytest.raises(IndexError):
+        batch(layers, qkv)
+
+
+@needs_kernel
 def test_attention_rows_do_not_depend_on_the_other_rows():
     """A token's output is bit-identical whether it is computed alone or with the tokens after it."""
     g = torch.Generator().manual_seed(0)

@@ -300,7 +300,7 @@ inline float softmax_numerators(float* s, int64_t T) {
 
 extern "C" {
 
-int goose_kernels_abi(void) { return 5; }
+int goose_kernels_abi(void) { return 6; }
 
 // x [M, K] ([M, 2K] when gated), packed [ceil(N / 16)][K][16], bias [ceil(N / 16) * 16] or null,
 // norm [K] or null, y [M, N]; all contiguous. accumulate: y += ..., else y = ...
@@ -349,6 +349,86 @@ void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int
 }
 
 
+}  // extern "C"
+
+namespace {
+
+// One segment of an attention call: n new tokens appended at positions p..p+n-1 of one sequence's cache.
+struct Segment {
+  int64_t n;               // new tokens
+  int64_t row0;            // their first row in qkv and out
+  const float* cos;        // [n, D]
+  const float* sin;        // [n, D]
+  float* keys;             // this layer's cache of the sequence, [Kh][cap][D]
+  float* vals;             // [Kh][cap][D]
+  int64_t cap, p;
+  const uint8_t* allowed;  // [n, n] or null (causal)
+};
+
+// Attention of a decoder layer for several sequences in one parallel region (see goose_attention).
+void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg, float scale,
+               float* out) {
+  const int64_t row = (H + 2 * Kh) * D, G = H / Kh;
+  const int d = static_cast<int>(D);
+  constexpr int kRows = 3;  // query heads per work item (they share every key load)
+  const int64_t groups = (G + kRows - 1) / kRows;
+  std::vector<int64_t> first(nseg + 1, 0);  // work items of segment s: [first[s], first[s + 1])
+  int64_t longest = 0;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const Segment& g = segs[s];
+    for (int64_t i = 0; i < g.n; ++i)
+      for (int64_t h = 0; h < Kh; ++h) {
+        const float* x = qkv + (g.row0 + i) * row;
+        rope(x + (H + h) * D, g.cos + i * D, g.sin + i * D, d, g.keys + (h * g.cap + g.p + i) * D);
+        memcpy(g.vals + (h * g.cap + g.p + i) * D, x + (H + Kh + h) * D, sizeof(float) * D);
+      }
+    first[s + 1] = first[s] + g.n * Kh * groups;
+    longest = g.p + g.n > longest ? g.p + g.n : longest;
+  }
+  const int64_t lds = longest + 8;
+#pragma omp parallel
+  {
+    std::vector<float> sc(kRows * lds), q(kRows * D);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < first[nseg]; ++item) {
+      int64_t s = 0;
+      while (item >= first[s + 1]) ++s;
+      const Segment& g = segs[s];
+      const int64_t local = item - first[s], T = g.p + g.n;
+      const int64_t i = local / (Kh * groups), kv = local / groups % Kh, h0 = kv * G + local % groups * kRows;
+      const int R = static_cast<int>(G - (h0 - kv * G) < kRows ? G - (h0 - kv * G) : kRows);
+      const float* x = qkv + (g.row0 + i) * row;
+      for (int r = 0; r < R; ++r) rope(x + (h0 + r) * D, g.cos + i * D, g.sin + i * D, d, q.data() + r * D);
+      const float* kh = g.keys + kv * g.cap * D;
+      const float* vh = g.vals + kv * g.cap * D;
+      const int64_t Tv = g.allowed ? T : g.p + i + 1;  // causal: new tokens up to i; a tree masks below
+      switch (R) {
+        case 3: scores<3>(q.data(), kh, Tv, d, scale, sc.data(), lds); break;
+        case 2: scores<2>(q.data(), kh, Tv, d, scale, sc.data(), lds); break;
+        default: scores<1>(q.data(), kh, Tv, d, scale, sc.data(), lds); break;
+      }
+      float inv[kRows];
+      for (int r = 0; r < R; ++r) {
+        float* sr = sc.data() + r * lds;
+        if (g.allowed)
+          for (int64_t t = 0; t < g.n; ++t)
+            if (!g.allowed[i * g.n + t]) sr[g.p + t] = -INFINITY;
+        inv[r] = softmax_numerators(sr, Tv);
+      }
+      float* o = out + (g.row0 + i) * H * D + h0 * D;
+      switch (R) {
+        case 3: weighted_rows<3>(sc.data(), lds, vh, Tv, d, inv, o, D); break;
+        case 2: weighted_rows<2>(sc.data(), lds, vh, Tv, d, inv, o, D); break;
+        default: weighted_rows<1>(sc.data(), lds, vh, Tv, d, inv, o, D); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
 // One decoder layer's attention for n new tokens appended to a static KV cache at positions p..p+n-1.
 //   qkv [n, (H + 2 Kh) D]: the q, k and v projections of the new tokens (heads in order);
 //   cos, sin [n, D]: their rotary tables; keys, vals: this layer's cache, [Kh][cap][D] each (the new
@@ -359,47 +439,24 @@ void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int
 void goose_attention(const float* qkv, int64_t n, int64_t H, int64_t Kh, int64_t D, const float* cos,
                      const float* sin, float* keys, float* vals, int64_t cap, int64_t p, const uint8_t* allowed,
                      float scale, float* out) {
-  const int64_t row = (H + 2 * Kh) * D, T = p + n, G = H / Kh;
-  const int d = static_cast<int>(D);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < Kh; ++h) {
-      rope(qkv + i * row + (H + h) * D, cos + i * D, sin + i * D, d, keys + (h * cap + p + i) * D);
-      memcpy(vals + (h * cap + p + i) * D, qkv + i * row + (H + Kh + h) * D, sizeof(float) * D);
-    }
-  constexpr int kRows = 3;  // query heads per work item (they share every key load)
-  const int64_t groups = (G + kRows - 1) / kRows, lds = T + 8;
-#pragma omp parallel
-  {
-    std::vector<float> s(kRows * lds), q(kRows * D);
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < n * Kh * groups; ++item) {
-      const int64_t i = item / (Kh * groups), kv = item / groups % Kh, h0 = kv * G + item % groups * kRows;
-      const int R = static_cast<int>(G - (h0 - kv * G) < kRows ? G - (h0 - kv * G) : kRows);
-      for (int r = 0; r < R; ++r) rope(qkv + i * row + (h0 + r) * D, cos + i * D, sin + i * D, d, q.data() + r * D);
-      const float* kh = keys + kv * cap * D;
-      const float* vh = vals + kv * cap * D;
-      const int64_t Tv = allowed ? T : p + i + 1;  // causal: new tokens up to i; a tree masks below
-      switch (R) {
-        case 3: scores<3>(q.data(), kh, Tv, d, scale, s.data(), lds); break;
-        case 2: scores<2>(q.data(), kh, Tv, d, scale, s.data(), lds); break;
-        default: scores<1>(q.data(), kh, Tv, d, scale, s.data(), lds); break;
-      }
-      float inv[kRows];
-      for (int r = 0; r < R; ++r) {
-        float* sr = s.data() + r * lds;
-        if (allowed)
-          for (int64_t t = 0; t < n; ++t)
-            if (!allowed[i * n + t]) sr[p + t] = -INFINITY;
-        inv[r] = softmax_numerators(sr, Tv);
-      }
-      float* o = out + i * H * D + h0 * D;
-      switch (R) {
-        case 3: weighted_rows<3>(s.data(), lds, vh, Tv, d, inv, o, D); break;
-        case 2: weighted_rows<2>(s.data(), lds, vh, Tv, d, inv, o, D); break;
-        default: weighted_rows<1>(s.data(), lds, vh, Tv, d, inv, o, D); break;
-      }
-    }
+  const Segment seg{n, 0, cos, sin, keys, vals, cap, p, allowed};
+  attention(qkv, H, Kh, D, &seg, 1, scale, out);
+}
+
+// The same for several sequences in one call (one parallel region): segment s's tokens are rows
+// desc[8 s + 1] .. + desc[8 s] of qkv and out; desc per segment: n, row0, cos, sin (pointers), cache (the
+// sequence's [layers][2][Kh][cap][D] cache), cap, p, allowed (pointer or 0). `layer` picks the cache layer.
+// Every row's result is the one goose_attention gives for its segment alone.
+void goose_attention_batch(const float* qkv, int64_t H, int64_t Kh, int64_t D, int64_t nseg, const int64_t* desc,
+                           int64_t layer, float scale, float* out) {
+  std::vector<Segment> segs(nseg);
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t* e = desc + 8 * s;
+    float* cache = reinterpret_cast<float*>(e[4]) + layer * 2 * Kh * e[5] * D;
+    segs[s] = Segment{e[0], e[1], reinterpret_cast<const float*>(e[2]), reinterpret_cast<const float*>(e[3]),
+                      cache, cache + Kh * e[5] * D, e[5], e[6], reinterpret_cast<const uint8_t*>(e[7])};
   }
+  attention(qkv, H, Kh, D, segs.data(), nseg, scale, out);
 }
 
 // The k largest values of each row of x [n, V] (row stride ldx) in descending order, ties to the lower

@@ -40,7 +40,7 @@ from .paths import cache_root
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 PANEL = 16  # output columns per packed panel (must match kPanel in the source)
-ABI = 5  # goose_kernels_abi() of this version of the source
+ABI = 6  # goose_kernels_abi() of this version of the source
 ENV_SWITCH = "GOOSE_CPU_KERNEL"
 
 _state: dict[str, object] = {}
@@ -136,6 +136,10 @@ class CpuKernels:
         self._attn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+        self._attn_batch = lib.goose_attention_batch
+        self._attn_batch.restype = None
+        self._attn_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -232,6 +236,13 @@ class CpuKernels:
         per layer."""
         return AttentionStep(self._attn, n_heads, cos, sin, cache, prefix, allowed, scale)
 
+    def attention_batch(self, steps: list["AttentionStep"]) -> "AttentionBatch":
+        """The attention of several sequences' steps (from `attention_step`, same heads, layers and scale),
+        whose rows follow each other in that order, in one call per layer: ``batch(layer, qkv)`` for
+        ``qkv [sum n, (H + 2 Kh) D]`` gives ``[sum n, H D]``, each segment's rows exactly as its own step
+        gives them (one parallel region per layer instead of one per sequence)."""
+        return AttentionBatch(self._attn_batch, steps)
+
 
 class AttentionStep:
     """``step(layer, qkv)``: that layer's attention output ``[n, H D]`` (heads in order, query head h reading
@@ -284,6 +295,41 @@ class AttentionStep:
         out = torch.empty(self._out, dtype=torch.float32)
         keys = self._cache.data_ptr() + layer * self._layer_bytes
         self._fn(qkv.data_ptr(), *self._args, keys, keys + self._half, *self._tail, out.data_ptr())
+        return out
+
+
+class AttentionBatch:
+    """``batch(layer, qkv)``: the attention of every step's rows at once (see `CpuKernels.attention_batch`)."""
+
+    def __init__(self, fn, steps: list[AttentionStep]) -> None:
+        if not steps:
+            raise ValueError("attention_batch: no steps")
+        first = steps[0]
+        heads = first._args[1:4]  # (H, Kh, D)
+        if any(s._args[1:4] != heads or s._tail[3] != first._tail[3] or s.layers != first.layers for s in steps):
+            raise ValueError("attention_batch: the steps differ in heads, head size, scale or layers")
+        desc, row = [], 0
+        for s in steps:
+            n, _, _, _, cos, sin = s._args
+            cap, prefix, mask, _ = s._tail
+            desc.append([n, row, cos, sin, s._cache.data_ptr(), cap, prefix, mask or 0])
+            row += n
+        self._desc = torch.tensor(desc, dtype=torch.int64)  # [segments, 8]
+        self._steps = steps  # their tables and masks stay alive
+        self._fn, self.layers = fn, first.layers
+        self._heads, self._scale = heads, first._tail[3]
+        h, kh, d = heads
+        self._shape, self._out = (row, (h + 2 * kh) * d), (row, h * d)
+
+    def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        if not 0 <= layer < self.layers:
+            raise IndexError(f"layer {layer} of {self.layers}")
+        if (not isinstance(qkv, torch.Tensor) or qkv.shape != self._shape or not qkv.is_contiguous()
+                or qkv.dtype != torch.float32 or qkv.device.type != "cpu"):
+            raise ValueError(f"qkv must be a contiguous float32 CPU {list(self._shape)} tensor")
+        out = torch.empty(self._out, dtype=torch.float32)
+        self._fn(qkv.data_ptr(), *self._heads, len(self._steps), self._desc.data_ptr(), layer, self._scale,
+                 out.data_ptr())
         return out
 
 

@@ -354,6 +354,7 @@ class LeanForward:
             attends = [self._torch_attention(s, cos[a:b], sin[a:b], p) for s, (a, b, p) in zip(segments, spans)]
         H, K, D = self.n_heads, self.n_kv, self.head_dim
         one = len(segments) == 1
+        batch = None if one or self.attn_kernel is None else self.attn_kernel.attention_batch(attends)
         for li, L in enumerate(self.layers):
             qkv = L.qkv(x, norm=(L.ln1, L.eps1))  # [N, (H + 2K) * D], of RMSNorm(x)
             if L.qk_norm is not None:  # qwen3: per-head q/k RMSNorm, before RoPE
@@ -362,6 +363,8 @@ class LeanForward:
                 qkv[:, : (H + K) * D] = torch.cat([_rms(qk[:, :H], qw, qe), _rms(qk[:, H:], kw, ke)], 1).view(len(ids), -1)
             if one:
                 a = attends[0](li, qkv)  # [N, H*D]
+            elif batch is not None:  # every segment's attention in one kernel call
+                a = batch(li, qkv)
             else:
                 a = torch.cat([att(li, qkv[r0:r1]) for att, (r0, r1, _) in zip(attends, spans)])  # [N, H*D]
             self._mlp(L, a, x)
