@@ -281,6 +281,27 @@ def test_changed_weights_are_never_decoded_stale(dtype):
         assert eng.submit(prompt, 20).result(timeout=60).token_ids == ref3
 
 
+@pytest.mark.parametrize("max_new", [3, 30])
+def test_a_request_running_when_weights_change_fails_instead_of_finishing(max_new):
+    """Weights changed between two steps of a running request: it never completes on the old cache, whether
+    it would have finished at once (3 tokens) or runs on (30: checked within WEIGHTS_CHECK_STEPS steps)."""
+    model = make_tiny_llama(torch.float32, seed=5)
+    changed = []
+
+    def on_tokens(block):
+        if not changed:
+            changed.append(True)
+            with torch.no_grad():
+                model.lm_head.weight.mul_(-1.0)
+
+    with Engine(model, None, "ar", max_batch=2) as eng:
+        req = eng.submit([5, 6, 7, 8], max_new, on_tokens=on_tokens)
+        with pytest.raises(GooseError, match="weights changed"):
+            req.result(timeout=60)
+        prompt = [4, 5, 6]
+        assert eng.submit(prompt, 10).result(timeout=60).token_ids == hf_greedy(model, prompt, 10)
+
+
 def test_engine_loop_on_the_callers_thread(models):
     """Engine(thread=False): run() drives the step loop on the calling thread until close() from another."""
     model = models["float32"]

@@ -136,6 +136,9 @@ class Request:
         self._done.set()
 
 
+WEIGHTS_CHECK_STEPS = 8  # steps between weights checks while no request joins or finishes
+
+
 class Engine:
     """Serves many requests at once on one model (see the module docstring). Thread-safe.
 
@@ -149,9 +152,9 @@ class Engine:
     to the caller: `run()` runs it on the calling thread until `close()`. torch's OpenMP runtime (libgomp)
     keeps a team of worker threads per thread that ran torch work, and once the process holds more such
     threads than CPUs every idle worker sleeps instead of spinning, which made the step loop ~2.8x slower on
-    2 cores. So the constructor and `submit` free their calling thread's team after their own torch work
-    (`cpukernel.release_thread_team`); other torch work on other threads while the engine runs slows it
-    (docs/performance.md §8).
+    2 cores. So the constructor and `submit` free their calling thread's team after their own torch work,
+    and the engine frees its own whenever it runs out of requests (`cpukernel.release_thread_team`); other
+    torch work on other threads while the engine decodes slows both (docs/performance.md §8).
     """
 
     def __init__(self, model, tokenizer=None, method: str | Method = "goose", max_batch: int = 8, config=None,
@@ -182,6 +185,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._closed = False
         self.steps = 0  # forwards run so far
+        self._checked_at = 0  # self.steps at the last weights check
         self.batch_sizes: list[int] = []  # requests per step (for metrics)
         self._thread = threading.Thread(target=self._loop, name="goose-engine", daemon=True) if thread else None
         self._runner_done = threading.Event()
@@ -312,6 +316,10 @@ class Engine:
 
     def _next_step(self) -> bool:
         with self._cond:
+            idle = not self._waiting and not self._running
+        if idle:  # an idle engine keeps no OpenMP team: torch work on other threads meanwhile runs at full speed
+            release_thread_team()
+        with self._cond:
             while not self._waiting and not self._running:
                 if self._closed:
                     return False
@@ -319,7 +327,9 @@ class Engine:
             for r in [r for r in self._waiting if r._cancel.is_set()]:
                 self._waiting.remove(r)
                 r._finish("cancelled")
-        self._check_weights()
+            admitting = bool(self._waiting) and len(self._running) < self.max_batch
+        if admitting or self.steps - self._checked_at >= WEIGHTS_CHECK_STEPS:
+            self._check_weights()
         with self._cond:
             self._running = [r for r in self._running if not r.done]
             while self._waiting and len(self._running) < self.max_batch:
@@ -338,6 +348,8 @@ class Engine:
                     r._finish("error", exc if isinstance(exc, GooseError) else GooseError(f"decoding failed: {exc!r}"))
             self.steps += 1
             self.batch_sizes.append(len(running))
+            if any(r.slot.done for r in running if not r.done):  # none finishes on weights that changed under it
+                self._check_weights()
             for r in running:
                 if r.done:
                     continue
@@ -360,6 +372,7 @@ class Engine:
         """When the model's weights changed, the running requests fail (their caches hold keys and values of
         the old weights); the waiting ones decode with a forward built from the new weights, or fail when the
         forward was given by the caller (it holds packed copies of the old ones)."""
+        self._checked_at = self.steps
         stale = getattr(self.forward, "stale", None)
         if stale is None or not stale():
             return
