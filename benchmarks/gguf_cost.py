@@ -9,22 +9,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 
 import torch
 
 from goose import quant
+from goose.bench.concurrency import cpu_name
 from goose.lean import LeanForward
 from goose.model import load_model
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def main() -> None:

@@ -50,7 +50,6 @@ import argparse
 import gc
 import json
 import math
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -62,6 +61,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from goose import costmodel, quant, theory
+from goose.bench.concurrency import cpu_name
 from goose.costmodel import CostCurve
 from goose.errors import GooseError
 from goose.lean import LeanForward
@@ -200,14 +200,6 @@ def project(curve: CostCurve, accepted: np.ndarray) -> tuple[int, float]:
     upto = min(curve.max_size, len(accepted) - 1)
     best, rate = theory.best_size(accepted[: upto + 1], dict(zip(curve.sizes, curve.ms)))
     return best, float(rate[best] * curve(1))
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def measure_size(size: str, fmt: str, sizes: tuple[int, ...], prefix: int, repeats: int,

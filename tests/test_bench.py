@@ -391,6 +391,8 @@ def test_cli_bench_concurrency(tiny, tmp_path, capsys):
     assert all(r["identical"] == r["requests"] == 4 and r["tokens"] > 0 for r in rows)
     assert all(0 <= r["ttft_p50_s"] <= r["ttft_p95_s"] for r in rows)
     assert "| goose |" in (out / "concurrency.md").read_text()
+    assert json.loads((out / "concurrency.json").read_text())["meta"]["weights"] == "float32"  # a safetensors folder
+    assert "float32 weights" in (out / "concurrency.md").read_text()
     assert main(argv[:-2] + ["--rate", "50"]) == 0  # Poisson arrivals
     assert main(argv[:6] + ["hf-ar"] + argv[7:]) == 2
     assert "cannot run there" in capsys.readouterr().err

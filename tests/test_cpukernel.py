@@ -34,6 +34,17 @@ def test_builds_on_an_avx2_machine_with_a_compiler():
     assert KERNEL is not None and KERNEL.path.is_file()
 
 
+def random_tree_mask(n: int, g: torch.Generator) -> torch.Tensor | None:
+    """The ancestor mask [n, n] of a random tree of n nodes (None for a single node: nothing to mask)."""
+    if n < 2:
+        return None
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    allowed = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        allowed[i] |= allowed[parents[i]]
+    return allowed
+
+
 @needs_kernel
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 20), k=st.integers(1, 70), n=st.integers(1, 50), bias=st.booleans(),
@@ -99,12 +110,7 @@ def test_attention_matches_float64_reference(n, kh, group, d, prefix, tree, seed
     ang = torch.rand(n, d // 2, generator=g) * 6.3
     cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
     cache = torch.randn(layers, 2, kh, cap, d, generator=g)
-    allowed = None
-    if tree and n > 1:
-        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-        allowed = torch.eye(n, dtype=torch.bool)
-        for i in range(1, n):
-            allowed[i] |= allowed[parents[i]]
+    allowed = random_tree_mask(n, g) if tree else None
     before = cache.clone()
     step = KERNEL.attention_step(heads, cos, sin, cache, prefix, allowed, d ** -0.5)
     for layer in range(layers):
@@ -132,12 +138,7 @@ def test_attention_batch_equals_each_sequence_alone(segs, seed):
         qkvs.append(torch.randn(n, (heads + 2 * kh) * d, generator=g))
         ang = torch.rand(n, d // 2, generator=g) * 6.3
         cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
-        allowed = None
-        if tree and n > 1:
-            parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-            allowed = torch.eye(n, dtype=torch.bool)
-            for i in range(1, n):
-                allowed[i] |= allowed[parents[i]]
+        allowed = random_tree_mask(n, g) if tree else None
         cache = torch.randn(layers, 2, kh, cap, d, generator=g)
         twin = cache.clone()
         caches.append((cache, twin))

@@ -256,6 +256,7 @@ def smollm_pair():
 def test_packaged_smollm2_blocks_are_the_dequantized_weights(smollm_pair):
     q, f, _ = smollm_pair
     assert type(q.model.layers[0].self_attn.q_proj) is quant.QuantLinear
+    assert quant.weights_kind(q) == "gguf (Q4_1, Q8_0)" and quant.weights_kind(f) == "float32"
     assert q.lm_head.weight is q.model.embed_tokens.weight  # tied head: one copy of the Q8_0 blocks
     for lq, lf in zip(q.model.layers, f.model.layers):
         for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):

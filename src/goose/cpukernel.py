@@ -287,11 +287,7 @@ class AttentionStep:
         self._out = (n, n_heads * d)
 
     def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        if not 0 <= layer < self.layers:
-            raise IndexError(f"layer {layer} of {self.layers}")
-        if (not isinstance(qkv, torch.Tensor) or qkv.shape != self._shape or not qkv.is_contiguous()
-                or qkv.dtype != torch.float32 or qkv.device.type != "cpu"):
-            raise ValueError(f"qkv must be a contiguous float32 CPU {list(self._shape)} tensor")
+        _check_layer_input(layer, self.layers, qkv, self._shape)
         out = torch.empty(self._out, dtype=torch.float32)
         keys = self._cache.data_ptr() + layer * self._layer_bytes
         self._fn(qkv.data_ptr(), *self._args, keys, keys + self._half, *self._tail, out.data_ptr())
@@ -322,15 +318,20 @@ class AttentionBatch:
         self._shape, self._out = (row, (h + 2 * kh) * d), (row, h * d)
 
     def __call__(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
-        if not 0 <= layer < self.layers:
-            raise IndexError(f"layer {layer} of {self.layers}")
-        if (not isinstance(qkv, torch.Tensor) or qkv.shape != self._shape or not qkv.is_contiguous()
-                or qkv.dtype != torch.float32 or qkv.device.type != "cpu"):
-            raise ValueError(f"qkv must be a contiguous float32 CPU {list(self._shape)} tensor")
+        _check_layer_input(layer, self.layers, qkv, self._shape)
         out = torch.empty(self._out, dtype=torch.float32)
         self._fn(qkv.data_ptr(), *self._heads, len(self._steps), self._desc.data_ptr(), layer, self._scale,
                  out.data_ptr())
         return out
+
+
+def _check_layer_input(layer: int, layers: int, qkv, shape: tuple[int, int]) -> None:
+    """An attention call's layer index and qkv rows, checked before the kernel reads them."""
+    if not 0 <= layer < layers:
+        raise IndexError(f"layer {layer} of {layers}")
+    if (not isinstance(qkv, torch.Tensor) or qkv.shape != shape or not qkv.is_contiguous()
+            or qkv.dtype != torch.float32 or qkv.device.type != "cpu"):
+        raise ValueError(f"qkv must be a contiguous float32 CPU {list(shape)} tensor")
 
 
 def _check(t, what: str, dims: int, contiguous: bool = False) -> None:

@@ -587,6 +587,15 @@ def _resolve(src: Path | None, weights: str | None, dtype: torch.dtype,
     return None, (why if src is not None else None)
 
 
+def weights_kind(model) -> str:
+    """What a model multiplies with, for reports: ``gguf (Q4_1, Q8_0)`` when it holds GGUF blocks (their
+    formats), else its parameters' dtype (``float32``)."""
+    fmts = sorted({m.weight.fmt for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))})
+    if fmts:
+        return f"gguf ({', '.join(fmts)})"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
 def load_gguf_model(path: Path, source: Path | None, weights: str | None, dtype: torch.dtype, device: torch.device,
                     attn_implementation: str):
     """`load_model`'s ``weights``: "gguf" (the GGUF blocks, `use_gguf_weights`), "float32" (the dequantized

@@ -62,10 +62,12 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     settings = method_settings(methods)  # a missing datastore fails here, before the model load
     t0 = time.perf_counter()
     model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
+    from ..quant import weights_kind
+
     runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"],
                     sampling=pinned["sampling"])
     meta = {**store.environment(pinned["model"], model, args.dtype, args.device, argv), **pinned,
-            "dataset": dataset, "repeats": args.repeats,
+            "weights": weights_kind(model), "dataset": dataset, "repeats": args.repeats,
             "method_settings": {**(old or {}).get("method_settings", {}), **settings},
             "methods": methods + [m for m in (old or {}).get("methods", []) if m not in methods]}
     store.open_run(out, meta)

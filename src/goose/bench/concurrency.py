@@ -82,9 +82,11 @@ def run(model, tok, questions, methods: list[str], max_new: int, concurrency: in
         row = run_method(model, tok, m, prompts, max_new, concurrency, rate, seed, options)
         row["identical"] = sum(o == r for o, r in zip(row.pop("outputs"), refs))
         rows.append(row)
+    from ..quant import weights_kind
+
     meta = {"cpu": cpu_name(), "concurrency": concurrency, "rate": rate, "max_new_tokens": max_new,
             "requests": len(prompts), "chat": chat, "sampling": options or None,
-            "threads": __import__("torch").get_num_threads()}
+            "threads": __import__("torch").get_num_threads(), "weights": weights_kind(model)}
     out.mkdir(parents=True, exist_ok=True)
     cachefs.write_text(out / "concurrency.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = render(meta, rows)
@@ -96,7 +98,8 @@ def run(model, tok, questions, methods: list[str], max_new: int, concurrency: in
 def render(meta: dict, rows: list[dict]) -> str:
     arrivals = f"Poisson, {meta['rate']}/s" if meta["rate"] else "all at once"
     lines = [f"Concurrency {meta['concurrency']} ({arrivals}), {meta['requests']} requests x "
-             f"{meta['max_new_tokens']} new tokens, {meta['threads']} threads, CPU: {meta['cpu']}", "",
+             f"{meta['max_new_tokens']} new tokens, {meta.get('weights', '?')} weights, {meta['threads']} threads, "
+             f"CPU: {meta['cpu']}", "",
              "| method | tokens/s | vs ar | TTFT p50 / p95 (s) | TPOT p50 / p95 (ms) | τ | requests per forward | "
              "identical to ar alone |", "|---|---|---|---|---|---|---|---|"]
     ar = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)

@@ -75,7 +75,7 @@ def render(summary: dict, plots: list[Path]) -> str:
     meta = summary["meta"]
     v = meta.get("versions", {})
     out = ["# goose bench report", "",
-           f"- model: `{meta.get('model')}` ({meta.get('dtype')}, {meta.get('device')}, "
+           f"- model: `{meta.get('model')}` ({meta.get('weights') or meta.get('dtype')} weights, {meta.get('device')}, "
            f"{meta.get('threads')} threads, {meta.get('processor')})",
            f"- dataset: `{meta.get('dataset')}`; {summary['questions']} questions answered by every method; "
            f"max_new_tokens {meta.get('max_new_tokens')}; {'chat template' if meta.get('chat') else 'raw prompts'}; "
