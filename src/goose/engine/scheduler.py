@@ -249,25 +249,27 @@ class Engine:
         with self._cond:
             self._closed = True
             if cancel:
-                for r in [*self._waiting, *self._running]:
-                    r.cancel()
+                self._cancel_all()
             self._cond.notify_all()
-        if self._thread is None:  # the loop runs in `run()` on the caller's thread (if it ever started)
-            if threading.current_thread() is not self._runner and self._runner is not None \
-                    and not self._runner_done.wait(timeout):
-                with self._cond:
-                    for r in [*self._waiting, *self._running]:
-                        r.cancel()
-                    self._cond.notify_all()
-                self._runner_done.wait()
-            return
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if self._thread is None and (self._runner is None or threading.current_thread() is self._runner):
+            return  # no loop runs (thread=False, run() never called), or close() was called from inside it
+        if not self._wait_loop(timeout):
             with self._cond:
-                for r in [*self._waiting, *self._running]:
-                    r.cancel()
-                self._cond.notify_all()
-            self._thread.join()
+                self._cancel_all()
+            self._wait_loop(None)
+
+    def _cancel_all(self) -> None:
+        """Cancel every queued and running request and wake the loop (the caller holds the condition)."""
+        for r in [*self._waiting, *self._running]:
+            r.cancel()
+        self._cond.notify_all()
+
+    def _wait_loop(self, timeout: float | None) -> bool:
+        """Wait up to `timeout` seconds for the step loop (the engine's thread or `run()`) to end."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return self._runner_done.wait(timeout)
 
     def run(self) -> None:
         """With ``thread=False``: run the step loop on this thread until `close()` (called from another
