@@ -21,6 +21,8 @@ from test_lean import assert_same, call_script, play, tiny_llama
 
 KERNEL = cpukernel.kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"goose's CPU kernel: {cpukernel.unavailable_reason()}")
+# every variant this CPU runs (avx512 and avx2 on an AVX-512 machine), each tested against float64
+VARIANTS = {v: cpukernel.kernel(v) for v in cpukernel.runnable_variants()} if KERNEL is not None else {}
 
 
 def test_builds_on_an_avx2_machine_with_a_compiler():
@@ -53,10 +55,49 @@ def test_linear_matches_float64_reference(m, k, n, bias, seed):
     g = torch.Generator().manual_seed(seed)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    y = KERNEL.linear(x, KERNEL.pack(w), n, KERNEL.pack_bias(b, n))
     ref = x.double() @ w.double().T + (b.double() if bias else 0)
-    assert y.shape == (m, n) and y.dtype == torch.float32
-    assert torch.allclose(y.double(), ref, atol=1e-4 * (k ** 0.5), rtol=1e-5)
+    for kern in VARIANTS.values():
+        y = kern.linear(x, kern.pack(w), n, kern.pack_bias(b, n))
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert torch.allclose(y.double(), ref, atol=1e-4 * (k ** 0.5), rtol=1e-5), kern.variant
+
+
+@needs_kernel
+def test_the_best_variant_this_cpu_runs_is_loaded():
+    flags = cpukernel._cpu_flags()
+    want = "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "avx2"
+    assert KERNEL.variant == want and KERNEL.isa == (512 if want == "avx512" else 256)
+    assert list(VARIANTS)[0] == want and "avx2" in VARIANTS and all(k is not None for k in VARIANTS.values())
+
+
+def test_variant_can_be_capped_by_environment(monkeypatch):
+    monkeypatch.delenv("GOOSE_KERNEL_VARIANT", raising=False)
+    every = cpukernel.runnable_variants()
+    monkeypatch.setenv("GOOSE_KERNEL_VARIANT", "avx2")
+    assert cpukernel.runnable_variants() == (["avx2"] if "avx2" in every else every)
+    monkeypatch.setenv("GOOSE_KERNEL_VARIANT", "no-such-isa")  # unknown: ignored
+    assert cpukernel.runnable_variants() == every
+    kern, reason = cpukernel._load("avx-9000")
+    assert kern is None and "unknown variant" in reason
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 90), n=st.integers(1, 70), mode=st.sampled_from(["plain", "norm", "gated"]),
+       bias=st.booleans(), accumulate=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_variants_are_bit_identical(m, k, n, mode, bias, accumulate, seed):
+    """Every variant gives the same bits (same packed layout, same FMA chain per output), with the fused
+    norm, the gated activation, bias and the residual add, for tiles of any size."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 2 * k if mode == "gated" else k, generator=g)
+    w, b, res = torch.randn(n, k, generator=g), torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+    norm = (torch.rand(k, generator=g) + 0.5, 1e-5) if mode == "norm" else None
+    outs = []
+    for kern in VARIANTS.values():
+        out = res.clone() if accumulate else None
+        outs.append(kern.linear(x, kern.pack(w), n, kern.pack_bias(b, n) if bias else None, norm=norm,
+                                gated=mode == "gated", out=out))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 @needs_kernel
@@ -66,11 +107,12 @@ def test_rows_do_not_depend_on_the_batch(m, k, n, seed):
     """Each row's result is bit-identical whether it is computed alone or with other rows (any tile)."""
     g = torch.Generator().manual_seed(seed)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-    packed, pb = KERNEL.pack(w), KERNEL.pack_bias(b, n)
-    together = KERNEL.linear(x, packed, n, pb)
-    for i in range(m):
-        assert torch.equal(KERNEL.linear(x[i:i + 1], packed, n, pb)[0], together[i]), i
-    assert torch.equal(KERNEL.linear(x[1:], packed, n, pb), together[1:])
+    for kern in VARIANTS.values():
+        packed, pb = kern.pack(w), kern.pack_bias(b, n)
+        together = kern.linear(x, packed, n, pb)
+        for i in range(m):
+            assert torch.equal(kern.linear(x[i:i + 1], packed, n, pb)[0], together[i]), (kern.variant, i)
+        assert torch.equal(kern.linear(x[1:], packed, n, pb), together[1:]), kern.variant
 
 
 def reference_attention(qkv, n_heads, cos, sin, cache, layer, prefix, allowed, scale):

@@ -1,4 +1,4 @@
-// goose's float32 CPU kernels for x86-64 with AVX2 + FMA (built by cpukernel.py): a small-batch linear
+// goose's float32 CPU kernels for x86-64 with AVX2 + FMA, or AVX-512 (built by cpukernel.py): a small-batch linear
 // layer (goose_linear), a decoder layer's attention on a static KV cache (goose_attention), and the top k
 // of logit rows (goose_topk).
 //
@@ -296,11 +296,122 @@ inline float softmax_numerators(float* s, int64_t T) {
   return 1.0f / sum;
 }
 
+#ifdef __AVX512F__
+// ---- the AVX-512 variant of goose_linear ----
+//
+// Same packed layout and the same numerics (one FMA chain over k in order per output, then bias, then the
+// accumulate add): its results are bit-identical to the AVX2 variant's. A panel's 16 columns are one zmm
+// register, assembled from the panel's two 8-column halves (one load + one insert per k). A work item is a
+// pair of adjacent panels (P = 2, or 1 for a last odd panel); its rows go in tiles of up to kTile512 rows,
+// the rows split evenly over the tiles: R rows x P panels accumulators (at most 24 of the 32 registers), each
+// weight vector loaded once per tile and used by R rows. One row already runs two or four independent chains
+// (P panels) reading four streams, which is more than a memory-bound single-row step needs.
+constexpr int kTile512 = 12;
+
+// The 16 columns of row k of a panel (halves w and h) as one vector.
+inline __m512 panel16(const float* w, const float* h, int64_t k) {
+  const __m512d lo = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(w + kHalf * k)));
+  return _mm512_castpd_ps(_mm512_insertf64x4(lo, _mm256_castps_pd(_mm256_loadu_ps(h + kHalf * k)), 1));
+}
+
+inline void store16(float* y, __m512 a, int cols, const float* bias, bool accumulate) {
+  const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1u);
+  if (bias) a = _mm512_add_ps(a, _mm512_loadu_ps(bias));  // bias is padded to whole panels
+  if (accumulate) a = _mm512_add_ps(_mm512_maskz_loadu_ps(m, y), a);
+  _mm512_mask_storeu_ps(y, m, a);
+}
+
+// R rows (x, stride ldx) times P adjacent panels (from w) -> y (stride ldy); cols: valid columns of the
+// last panel.
+template <int R, int P, bool Prefetch>
+inline void tile512(const float* x, int64_t ldx, int64_t K, const float* w, float* y, int64_t ldy, int cols,
+                    const float* bias, bool accumulate) {
+  const int64_t half = K * kHalf;
+  const float* s[2 * P];  // the panels' halves
+  for (int q = 0; q < 2 * P; ++q) s[q] = w + q * half;
+  __m512 acc[R][P];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    if constexpr (Prefetch) {
+#pragma GCC unroll 4
+      for (int q = 0; q < 2 * P; ++q)
+        _mm_prefetch(reinterpret_cast<const char*>(s[q] + kHalf * k) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    __m512 wv[P];
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) wv[p] = panel16(s[2 * p], s[2 * p + 1], k);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p)
+      store16(y + r * ldy + p * kPanel, acc[r][p], p == P - 1 ? cols : kPanel, bias ? bias + p * kPanel : nullptr,
+              accumulate);
+}
+
+template <int P, bool Prefetch>
+inline void rows512(int r, const float* x, int64_t ldx, int64_t K, const float* w, float* y, int64_t ldy, int cols,
+                    const float* bias, bool accumulate) {
+  switch (r) {
+    case 12: tile512<12, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 11: tile512<11, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 10: tile512<10, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 9: tile512<9, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 8: tile512<8, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 7: tile512<7, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 6: tile512<6, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 5: tile512<5, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 4: tile512<4, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 3: tile512<3, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    case 2: tile512<2, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+    default: tile512<1, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
+  }
+}
+
+void linear512(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, int64_t panels,
+               const float* bias, float* y, bool acc) {
+  const int64_t tiles = (M + kTile512 - 1) / kTile512;
+#pragma omp parallel for schedule(static)
+  for (int64_t q = 0; q < (panels + 1) / 2; ++q) {
+    const int64_t p0 = 2 * q;
+    const bool two = p0 + 1 < panels;
+    const int cols = panel_cols(N, two ? p0 + 1 : p0);
+    const float* w = packed + p0 * K * kPanel;
+    const float* b = bias ? bias + p0 * kPanel : nullptr;
+    for (int64_t t = 0, m = 0; t < tiles; ++t) {  // tile t: rows [m, m + r), sizes differing by at most 1
+      const int r = static_cast<int>(M / tiles + (t < M % tiles ? 1 : 0));
+      const float* xm = x + m * K;
+      float* ym = y + m * N + p0 * kPanel;
+      if (two)
+        t == 0 ? rows512<2, true>(r, xm, K, K, w, ym, N, cols, b, acc) : rows512<2, false>(r, xm, K, K, w, ym, N, cols, b, acc);
+      else
+        t == 0 ? rows512<1, true>(r, xm, K, K, w, ym, N, cols, b, acc) : rows512<1, false>(r, xm, K, K, w, ym, N, cols, b, acc);
+      m += r;
+    }
+  }
+}
+#endif  // __AVX512F__
+
 }  // namespace
 
 extern "C" {
 
-int goose_kernels_abi(void) { return 6; }
+int goose_kernels_abi(void) { return 7; }
+
+#ifdef __AVX512F__
+int goose_kernels_isa(void) { return 512; }
+#else
+int goose_kernels_isa(void) { return 256; }
+#endif
 
 // x [M, K] ([M, 2K] when gated), packed [ceil(N / 16)][K][16], bias [ceil(N / 16) * 16] or null,
 // norm [K] or null, y [M, N]; all contiguous. accumulate: y += ..., else y = ...
@@ -315,6 +426,10 @@ void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int
   const bool acc = accumulate != 0;
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int k = static_cast<int>(K);
+#ifdef __AVX512F__
+  linear512(x, M, k, packed, N, panels, bias, y, acc);
+  return;
+#endif
   // Work items are pairs of adjacent panels, so the 1-2 rows left after the full 6-row tiles can run
   // over both panels at once (tile2).
 #pragma omp parallel for schedule(static)

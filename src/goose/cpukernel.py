@@ -1,14 +1,21 @@
-"""goose's own float32 CPU kernels for x86-64 (AVX2 + FMA), built on first use: a small-batch linear layer,
-a decoder layer's attention on a static KV cache, and the top k of logit rows.
+"""goose's own float32 CPU kernels for x86-64 (AVX-512 or AVX2, + FMA), built on first use: a small-batch
+linear layer, a decoder layer's attention on a static KV cache, and the top k of logit rows.
 
 `LeanForward` multiplies every weight matrix by the 1..~16 rows of a decoding step or a draft tree. On a
-small AVX2 CPU, PyTorch's kernels for those shapes (MKL, oneDNN) stream the weights at about half the
-memory bandwidth and get slower with every added row; ``cpu_kernels.cpp`` reads each weight once per call
+small CPU, PyTorch's kernels for those shapes (MKL, oneDNN) stream the weights at about half the memory
+bandwidth and get slower with every added row; ``cpu_kernels.cpp`` reads each weight once per call
 whatever the row count (see that file for the layout and the numerics). Its attention does a layer's
 rotary embedding, cache write, scores, softmax and weighted sum in one call, where PyTorch needs ~15
 small operations of ~10-100 us each.
 
-The source is compiled once per machine with the system C++ compiler into
+Variants, chosen from the CPU flags (``/proc/cpuinfo``), in this fallback order: ``avx512`` (AVX-512
+F/BW/VL + AVX2 + FMA: the linear layer on 16-lane registers, tiles of up to 12 rows x 32 columns) and
+``avx2`` (AVX2 + FMA: 8-lane registers, tiles of up to 6 rows x 16 columns); attention and top-k are the
+same 8-lane code in both. Both give bit-identical results (same packed layout, same FMA chain per output);
+``GOOSE_KERNEL_VARIANT=avx2`` picks a lower variant (for comparisons; the quantized kernels of
+`goose.quant` follow it too).
+
+Each variant is compiled once per machine with the system C++ compiler into
 ``$XDG_CACHE_HOME/goose/kernels/`` (~2 s; the file name carries a hash of the source, the flags and the
 compiler, so an edit or another compiler rebuilds it) and loaded with ctypes. Its OpenMP threads are
 torch's own (the library links the libgomp torch has already loaded), so ``torch.set_num_threads``
@@ -38,10 +45,18 @@ from . import cachefs
 from .paths import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+BASE_FLAGS = ["-std=c++17", "-O3", "-fopenmp", "-shared", "-fPIC"]
+# name -> (compiler flags, CPU flags it needs); ORDER is the fallback order (shared with goose.quant)
+VARIANTS = {
+    "avx512": (["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"],
+               {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}),
+    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
+}
+ORDER = ("avx512", "avx2")
 PANEL = 16  # output columns per packed panel (must match kPanel in the source)
-ABI = 6  # goose_kernels_abi() of this version of the source
+ABI = 7  # goose_kernels_abi() of this version of the source
 ENV_SWITCH = "GOOSE_CPU_KERNEL"
+ENV_VARIANT = "GOOSE_KERNEL_VARIANT"
 
 _state: dict[str, object] = {}
 
@@ -55,6 +70,48 @@ def _cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def runnable_variants() -> list[str]:
+    """The kernel variants this CPU can run, best first (see ORDER); ``GOOSE_KERNEL_VARIANT=<name>`` drops
+    the ones above <name>."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
+        return []
+    flags = _cpu_flags()
+    runnable = [v for v in ORDER if VARIANTS[v][1] <= flags]
+    cap = os.environ.get(ENV_VARIANT, "").strip().lower()
+    return runnable[runnable.index(cap):] if cap in runnable else runnable
+
+
+def switched_off() -> bool:
+    """True when ``GOOSE_CPU_KERNEL`` switches goose's kernels off."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def build_library(source: Path, variant: str) -> tuple[ctypes.CDLL | None, Path | None, str | None]:
+    """Compile `source` for `variant` once per machine into the kernel cache (see the module doc) and load
+    it: ``(library, path, None)`` or ``(None, None, why not)``."""
+    if variant not in VARIANTS:
+        return None, None, f"unknown variant '{variant}'; variants: {', '.join(ORDER)}"
+    if variant not in runnable_variants():
+        return None, None, f"this CPU cannot run the {variant} variant (needs {', '.join(sorted(VARIANTS[variant][1]))})"
+    if not _gnu_openmp_loaded():
+        return None, None, "torch does not run on GNU OpenMP (libgomp) here"
+    cxx = _compiler()
+    if cxx is None:
+        return None, None, "no C++ compiler found ($CXX, c++, g++)"
+    flags = BASE_FLAGS + VARIANTS[variant][0]
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        digest = hashlib.sha1("\n".join([source.read_text(), " ".join(flags), cxx, version]).encode()).hexdigest()[:16]
+        path = cache_root() / "kernels" / f"{source.stem}-{variant}-{digest}.so"
+        if not path.is_file():
+            failed = _build(cxx, flags, source, path)
+            if failed:
+                return None, None, failed
+        return ctypes.CDLL(str(path)), path, None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, None, f"building or loading {source.name} ({variant}) failed: {exc}"
 
 
 def _compiler() -> str | None:
@@ -120,8 +177,9 @@ class CpuKernels:
     """The loaded kernels: ``pack`` a weight once, then ``linear`` any number of rows against it;
     ``attention_step`` for the layers of one forward; ``topk`` of logit rows."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
-        self.path = path
+    def __init__(self, lib: ctypes.CDLL, path: Path, variant: str) -> None:
+        self.path, self.variant = path, variant
+        self.isa = lib.goose_kernels_isa()  # vector width the library was built for: 512 or 256
         self._fn = lib.goose_linear
         self._fn.restype = None
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
@@ -348,50 +406,54 @@ def _check(t, what: str, dims: int, contiguous: bool = False) -> None:
         raise ValueError(f"{what} must be contiguous")
 
 
-def unavailable_reason() -> str | None:
-    """Why the kernel cannot be used here (None when it can); builds and loads it on first call."""
-    if "reason" not in _state:
-        _state["kernel"], _state["reason"] = _load()
-    return _state["reason"]  # type: ignore[return-value]
+def unavailable_reason(variant: str | None = None) -> str | None:
+    """Why `kernel(variant)` cannot be used here (None when it can); builds and loads it on first call."""
+    return _get(variant)[1]
 
 
-def kernel() -> CpuKernels | None:
-    """The loaded kernel, or None (see `unavailable_reason`)."""
-    unavailable_reason()
-    return _state["kernel"]  # type: ignore[return-value]
+def kernel(variant: str | None = None) -> CpuKernels | None:
+    """The loaded kernel of `variant` (None: the best this CPU runs, see `runnable_variants`), or None (see
+    `unavailable_reason`)."""
+    return _get(variant)[0]
 
 
-def _load() -> tuple[CpuKernels | None, str | None]:
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None, f"switched off by {ENV_SWITCH}"
+def _get(variant: str | None) -> tuple[CpuKernels | None, str | None]:
+    variant = variant or _best()
+    if variant is None:
+        return None, _no_variant_reason()
+    if variant not in _state:
+        _state[variant] = _load(variant)
+    return _state[variant]  # type: ignore[return-value]
+
+
+def _best() -> str | None:
+    runnable = runnable_variants()
+    return runnable[0] if runnable else None
+
+
+def _no_variant_reason() -> str:
     if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
-        return None, f"needs x86-64 Linux, not {platform.system()} {platform.machine()}"
-    missing = {"avx2", "fma"} - _cpu_flags()
-    if missing:
-        return None, f"the CPU lacks {', '.join(sorted(missing))}"
-    if not _gnu_openmp_loaded():
-        return None, "torch does not run on GNU OpenMP (libgomp) here"
-    cxx = _compiler()
-    if cxx is None:
-        return None, "no C++ compiler found ($CXX, c++, g++)"
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-        digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(FLAGS), cxx, version]).encode()).hexdigest()[:16]
-        path = cache_root() / "kernels" / f"cpu_kernels-{digest}.so"
-        if not path.is_file():
-            failed = _build(cxx, path)
-            if failed:
-                return None, failed
-        lib = ctypes.CDLL(str(path))
-        if lib.goose_kernels_abi() != ABI:
-            return None, f"{path} is not this version of the kernel"
-        return CpuKernels(lib, path), None
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"building or loading {SOURCE.name} failed: {exc}"
+        return f"needs x86-64 Linux, not {platform.system()} {platform.machine()}"
+    return f"the CPU lacks {', '.join(sorted(VARIANTS['avx2'][1] - _cpu_flags()))}"
 
 
-def _build(cxx: str, path: Path) -> str | None:
-    """Compile the source to `path`: under a lock (one build per machine at a time), into a temporary file
+def _load(variant: str | None = None) -> tuple[CpuKernels | None, str | None]:
+    """Build and load `variant` (None: the best runnable), uncached."""
+    if switched_off():
+        return None, f"switched off by {ENV_SWITCH}"
+    variant = variant or _best()
+    if variant is None:
+        return None, _no_variant_reason()
+    lib, path, why = build_library(SOURCE, variant)
+    if lib is None:
+        return None, why
+    if lib.goose_kernels_abi() != ABI:
+        return None, f"{path} is not this version of the kernel"
+    return CpuKernels(lib, path, variant), None
+
+
+def _build(cxx: str, flags: list[str], source: Path, path: Path) -> str | None:
+    """Compile `source` to `path`: under a lock (one build per machine at a time), into a temporary file
     in the same folder that is renamed into place, so a killed build leaves no half-written library.
     Returns why the build failed (None when it worked)."""
     with cachefs.lock(path):
@@ -400,10 +462,10 @@ def _build(cxx: str, path: Path) -> str | None:
         cachefs.clean_stale(path.parent)
         tmp = cachefs.temp_path(path)
         try:
-            done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
-                                  timeout=300)
+            done = subprocess.run([cxx, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True,
+                                  timeout=600)
             if done.returncode != 0:
-                return f"building {SOURCE.name} failed: {done.stderr.strip()[-500:]}"
+                return f"building {source.name} failed: {done.stderr.strip()[-500:]}"
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)

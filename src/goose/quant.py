@@ -33,11 +33,7 @@ other types (F32 norms, F16, other quantizations) stay float32 as transformers l
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -46,20 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpukernel
 from .errors import GooseError
-from .paths import cache_root
 
 SOURCE = Path(__file__).with_name("quant_kernels.cpp")
 ABI = 1
 PANEL = 16  # output columns per panel (kCols in the source)
-BASE_FLAGS = ["-std=c++17", "-O3", "-fopenmp", "-shared", "-fPIC"]
-# name -> (compiler flags, CPU flags it needs); ORDER is the fallback order
-VARIANTS = {
-    "avx512": (["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"],
-               {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}),
-    "avx2": (["-mavx2", "-mfma", "-mf16c"], {"avx2", "fma", "f16c"}),
-}
-ORDER = ("avx512", "avx2")
+ORDER = cpukernel.ORDER  # the variants (cpukernel.VARIANTS), best first
 # GGUF type name -> (code in the source, weights per GGUF block, bytes per GGUF block)
 FORMATS = {"Q8_0": (0, 32, 34), "Q4_0": (1, 32, 18), "Q4_1": (2, 32, 20), "Q4_K": (3, 256, 144),
            "Q6_K": (4, 256, 210)}
@@ -71,52 +60,19 @@ _state: dict[str, tuple] = {}
 # ---- building and loading -------------------------------------------------------------------------------
 
 def runnable_variants() -> list[str]:
-    """The variants this CPU can run, best first (see ORDER)."""
-    from .cpukernel import _cpu_flags
-
-    if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
-        return []
-    flags = _cpu_flags()
-    return [v for v in ORDER if VARIANTS[v][1] <= flags]
+    """The variants this CPU can run, best first (see `cpukernel.runnable_variants`)."""
+    return cpukernel.runnable_variants()
 
 
 def _load(variant: str) -> tuple["QuantKernels | None", str | None]:
-    from .cpukernel import ENV_SWITCH, _compiler, _gnu_openmp_loaded
-
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None, f"switched off by {ENV_SWITCH}"
-    if variant not in VARIANTS:
-        return None, f"unknown variant '{variant}'; variants: {', '.join(ORDER)}"
-    if variant not in runnable_variants():
-        return None, f"this CPU cannot run the {variant} variant (needs {', '.join(sorted(VARIANTS[variant][1]))})"
-    if not _gnu_openmp_loaded():
-        return None, "torch does not run on GNU OpenMP (libgomp) here"
-    cxx = _compiler()
-    if cxx is None:
-        return None, "no C++ compiler found ($CXX, c++, g++)"
-    flags = BASE_FLAGS + VARIANTS[variant][0]
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-        digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(flags), cxx, version]).encode()).hexdigest()[:16]
-        path = cache_root() / "kernels" / f"quant_kernels-{variant}-{digest}.so"
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path.with_suffix(".lock"), "w") as lock:  # one build at a time per machine
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if not path.is_file():
-                    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.so")
-                    done = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True,
-                                          text=True, timeout=600)
-                    if done.returncode != 0:
-                        tmp.unlink(missing_ok=True)
-                        return None, f"building {SOURCE.name} ({variant}) failed: {done.stderr.strip()[-500:]}"
-                    os.replace(tmp, path)
-        lib = ctypes.CDLL(str(path))
-        if lib.goose_quant_abi() != ABI:
-            return None, f"{path} is not this version of the kernel"
-        return QuantKernels(lib, path, variant), None
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"building or loading {SOURCE.name} ({variant}) failed: {exc}"
+    if cpukernel.switched_off():
+        return None, f"switched off by {cpukernel.ENV_SWITCH}"
+    lib, path, why = cpukernel.build_library(SOURCE, variant)
+    if lib is None:
+        return None, why
+    if lib.goose_quant_abi() != ABI:
+        return None, f"{path} is not this version of the kernel"
+    return QuantKernels(lib, path, variant), None
 
 
 def _get(variant: str) -> tuple:
