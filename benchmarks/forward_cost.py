@@ -8,7 +8,11 @@ cache back (``keep([])``) so every call sees the same prefix. N = 1 is a plain s
 exactly what AR decoding does. Also timed: a plain Hugging Face greedy `model.generate` step (median ms per
 new token, prefill excluded), the reference that speculative decoding has to beat.
 
-    python benchmarks/forward_cost.py [--model smollm2-135m] [--cache-len 300] [--sizes 1,2,4,8] [--repeats 7]
+    python benchmarks/forward_cost.py [--model smollm2-135m] [--weights float32] [--cache-len 300] [--sizes 1,2,4,8] [--repeats 7]
+
+On a CPU that runs goose's AVX-512 kernels, a `lean-avx2` column (goose's kernels capped at their AVX2
+variant, ``GOOSE_KERNEL_VARIANT=avx2``) is timed too, with float32 weights (GGUF blocks pick their kernel
+variant when the model loads: run the script again under that variable to compare those).
 
 Timings are medians: this machine has 2 cores, often shared; watch the load average printed at the end.
 """
@@ -24,6 +28,7 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from goose import cpukernel, quant
 from goose.forward import HFForward
 from goose.lean import LeanForward
 from goose.lean import supports as lean_supports
@@ -77,19 +82,29 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="timed calls per (forward, N), interleaved")
     ap.add_argument("--generate-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--weights", choices=["gguf", "float32"], default=None,
+                    help="GGUF sources: quantized blocks or dequantized float32 (default: load_model's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
 
-    model, _ = load_model(args.model)
+    model, _ = load_model(args.model, weights=args.weights)
     vocab = model.get_output_embeddings().weight.shape[0]
     rng = random.Random(0)
     prompt = [rng.randrange(3, vocab) for _ in range(args.cache_len)]
     forwards = {"hf": HFForward(model, kernel=False)}
     if lean_supports(model):
         forwards.update({"lean-torch": LeanForward(model, kernel=False),
-                         "lean-linear": LeanForward(model, attention_kernel=False), "lean": LeanForward(model)})
+                         "lean-linear": LeanForward(model, attention_kernel=False)})
+        best_kernel = cpukernel.kernel()
+        if best_kernel is not None and best_kernel.variant != "avx2" and not quant.weights_kind(model).startswith("gguf"):
+            os.environ[cpukernel.ENV_VARIANT] = "avx2"
+            try:
+                forwards["lean-avx2"] = LeanForward(model)
+            finally:
+                del os.environ[cpukernel.ENV_VARIANT]
+        forwards["lean"] = LeanForward(model)
     else:  # the generic forward, as it is and with its linear layers on goose's kernel
         forwards["hf+kernel"] = HFForward(model)
     best = list(forwards)[-1]  # the default forward for this model

@@ -308,8 +308,8 @@ def test_lean_forward_on_the_kernel_matches_torch_kernels_and_hf(llama32_biased)
     script = call_script(13)
     ours, torchs = LeanForward(llama32_biased), LeanForward(llama32_biased, kernel=False)
     linear_only = LeanForward(llama32_biased, attention_kernel=False)
-    assert ours.backend == "goose-avx2+attention" and ours.attn_kernel is not None and not ours.prepacked
-    assert linear_only.backend == "goose-avx2" and linear_only.attn_kernel is None
+    assert ours.backend == f"goose-{KERNEL.variant}+attention" and ours.attn_kernel is not None and not ours.prepacked
+    assert linear_only.backend == f"goose-{KERNEL.variant}" and linear_only.attn_kernel is None
     assert not torchs.backend.startswith("goose") and torchs.attn_kernel is None
     ref = play(HFForward(llama32_biased), script)
     for fwd in (ours, linear_only, torchs):

@@ -281,7 +281,7 @@ class LeanForward:
         self.attn_kernel = kern if (kern is not None and attention_kernel
                                     and cpukernel.attention_reason(self.head_dim, self.dtype) is None) else None
         # which kernels run the weight multiplies and attention (part of the cost-curve cache key)
-        self.backend = ("goose-avx2" if kern is not None else "onednn" if self.prepacked else "torch") + (
+        self.backend = (f"goose-{kern.variant}" if kern is not None else "onednn" if self.prepacked else "torch") + (
             "+gemv" if self.gemv else "") + ("+attention" if self.attn_kernel is not None else "")
         quantized = sorted({lin.packed.fmt for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)
                             if isinstance(lin.packed, QuantWeight)})
