@@ -277,126 +277,6 @@ inline void rows(int r, const float* x, int64_t ldx, int64_t K, const uint8_t* c
 
 // in(x) for the rows of x, written to buf [M, K]: the same code as cpu_kernels.cpp's `prepare` (so the
 // two kernels agree bit for bit on fused calls).
-// ---- many rows: dequantize a panel once, then float32 tiles ----
-//
-// With more rows than one register tile holds, the tiles above unpack every group once per tile. Past
-// kTile rows a work item instead dequantizes its panels once into a per-thread float32 scratch
-// [P][K][16] (the same unpack instructions, so the same weight bits) and runs tiles of up to kWideRows rows
-// over it: per k one load per panel, no unpacking. Each output is still one FMA chain over k in order,
-// so the results are the same bits as the tiles above give.
-#ifdef __AVX512F__
-constexpr int kWideRows = 12;  // 12 rows x 2 panels = 24 accumulators of 32
-constexpr int kWidePanels = 2;
-#else
-constexpr int kWideRows = 6;  // 6 rows x 1 panel x 2 ymm = 12 accumulators of 16
-constexpr int kWidePanels = 1;
-#endif
-
-// The dequantized panel w (K weights of 16 columns) -> out [K][16].
-template <int F>
-inline void dequantize_panel(const uint8_t* w, int64_t K, float* out) {
-  constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
-  for (int64_t g = 0; g < K / G; ++g) {
-    const uint8_t* h = w + g * GB;
-    V s, o;
-    header<F>(h, s, o);
-    const uint8_t* q = h + HB;
-    float* og = out + g * G * kCols;
-    if constexpr (nibbles(F)) {
-      for (int j = 0; j < G / 2; ++j) {
-        V lo, hi;
-        if constexpr (F == kQ4_0) {
-          vnibbles(q + 16 * j, 8, lo, hi);
-          lo = vmul(lo, s);
-          hi = vmul(hi, s);
-        } else {
-          vnibbles(q + 16 * j, 0, lo, hi);
-          lo = vfma(lo, s, o);
-          hi = vfma(hi, s, o);
-        }
-        vstore(og + 2 * j * kCols, lo);
-        vstore(og + (2 * j + 1) * kCols, hi);
-      }
-    } else {
-      for (int j = 0; j < G; ++j) {
-        if constexpr (F == kQ8_0)
-          vstore(og + j * kCols, vmul(vi8(q + 16 * j), s));
-        else
-          vstore(og + j * kCols, vmul(vu8(q + 16 * j, 32), s));
-      }
-    }
-  }
-}
-
-// R rows of x times P dequantized panels wf[p] ([K][16]) -> y: per output one FMA chain over k in order.
-template <int R, int P>
-inline void float_tile(const float* x, int64_t ldx, int64_t K, const float* const* wf, float* y, int64_t ldy,
-                       const int* cols, const float* const* bias, bool accumulate) {
-  V acc[R][P];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int p = 0; p < P; ++p) acc[r][p] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
-    V wv[P];
-#pragma GCC unroll 2
-    for (int p = 0; p < P; ++p) wv[p] = vload(wf[p] + k * kCols);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const V xv = vset(x[r * ldx + k]);
-#pragma GCC unroll 2
-      for (int p = 0; p < P; ++p) acc[r][p] = vfma(xv, wv[p], acc[r][p]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int p = 0; p < P; ++p) store(y + r * ldy + p * kCols, acc[r][p], cols[p], bias[p], accumulate);
-}
-
-template <int P>
-inline void float_rows(int r, const float* x, int64_t ldx, int64_t K, const float* const* wf, float* y, int64_t ldy,
-                       const int* cols, const float* const* bias, bool accumulate) {
-  switch (r) {
-#ifdef __AVX512F__
-    case 12: float_tile<12, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-    case 11: float_tile<11, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-    case 10: float_tile<10, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-    case 9: float_tile<9, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-    case 8: float_tile<8, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-    case 7: float_tile<7, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-#endif
-    case 6: float_tile<6, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-    case 5: float_tile<5, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-    case 4: float_tile<4, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-    case 3: float_tile<3, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-    case 2: float_tile<2, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-    default: float_tile<1, P>(x, ldx, K, wf, y, ldy, cols, bias, accumulate); break;
-  }
-}
-
-// One work item's rows on its dequantized panels (np of them, in scratch [np][K][16]).
-inline void wide_item(const float* x, int64_t M, int64_t K, const float* scratch, int64_t np, float* y, int64_t N,
-                      const int* cols, const float* const* b, bool acc) {
-  const int64_t tiles = (M + kWideRows - 1) / kWideRows;
-  for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
-    r = (M - m) / (tiles - i);
-    const float* xm = x + m * K;
-    float* ym = y + m * N;
-    if constexpr (kWidePanels == 2) {
-      if (np == 2) {
-        const float* wf[2] = {scratch, scratch + K * kCols};
-        float_rows<2>(static_cast<int>(r), xm, K, K, wf, ym, N, cols, b, acc);
-        continue;
-      }
-    }
-    for (int64_t t = 0; t < np; ++t) {
-      const float* wf[1] = {scratch + t * K * kCols};
-      float_rows<1>(static_cast<int>(r), xm, K, K, wf, ym + t * kCols, N, cols + t, b + t, acc);
-    }
-  }
-}
-
 void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
   for (int64_t m = 0; m < M; ++m) {
     float* o = buf + m * K;
@@ -419,11 +299,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
             bool acc) {
   const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
-  const bool wide = M > kTile;  // more than one register tile of rows: dequantize each panel once
-#pragma omp parallel
-  {
-  std::vector<float> scratch(wide ? 2 * K * kCols : 0);
-#pragma omp for schedule(static)
+#pragma omp parallel for schedule(static)
   for (int64_t item = 0; item < (panels + 1) / 2; ++item) {
     const int64_t p0 = 2 * item, np = p0 + 1 < panels ? 2 : 1;
     const uint8_t* w[2] = {packed + p0 * pbytes, packed + (p0 + np - 1) * pbytes};
@@ -433,11 +309,6 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
       const int64_t p = p0 + (t < np ? t : 0);
       cols[t] = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
       b[t] = bias ? bias + p * kCols : nullptr;
-    }
-    if (wide) {
-      for (int64_t t = 0; t < np; ++t) dequantize_panel<F>(w[t], K, scratch.data() + t * K * kCols);
-      wide_item(x, M, K, scratch.data(), np, y + p0 * kCols, N, cols, b, acc);
-      continue;
     }
     const int64_t tiles = (M + kTile - 1) / kTile;  // rows spread evenly over the fewest tiles (12 = 6 + 6)
     for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
@@ -458,7 +329,6 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
           rows<F, 1, false>(static_cast<int>(r), xm, K, K, w + t, ym + t * kCols, N, cols + t, b + t, acc);
       }
     }
-  }
   }
 }
 
