@@ -34,7 +34,7 @@ test: $(STAMP) $(VLLM_STAMP)
 
 # GooseProposer inside vLLM and the SGLang format, from .venv-vllm (the model folder comes from the main venv)
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -c "from goose.model import model_dir; model_dir('smollm2-135m')"
+	$(BIN)/python -c "from goose.loading.model import model_dir; model_dir('smollm2-135m')"
 	$(VLLM_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider tests_vllm
 
 TCMALLOC   := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4

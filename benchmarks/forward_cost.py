@@ -1,5 +1,5 @@
 """Cost of one forward vs query size N: HFForward against LeanForward (with PyTorch's kernels; with goose's
-linear kernel and PyTorch's attention; with goose's linear and attention kernels, `goose.cpukernel`),
+linear kernel and PyTorch's attention; with goose's linear and attention kernels, `goose.backends.cpukernel`),
 interleaved in one run. For models LeanForward does not run (e.g. gemma3-270m): HFForward as it is
 against HFForward with its linear layers on goose's kernel.
 
@@ -28,12 +28,12 @@ import time
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from goose import cpukernel, quant
-from goose.forward import HFForward
-from goose.lean import LeanForward
-from goose.lean import supports as lean_supports
-from goose.model import load_model
-from goose.tree_tensors import parent_tensors
+from goose.backends import cpukernel, quant
+from goose.backends.forward import HFForward
+from goose.backends.lean import LeanForward
+from goose.backends.lean import supports as lean_supports
+from goose.backends.tree_tensors import parent_tensors
+from goose.loading.model import load_model
 
 
 def random_tree(rng: random.Random, n: int) -> tuple[torch.Tensor, torch.Tensor]:

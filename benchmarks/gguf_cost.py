@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from goose import quant
+from goose.backends import quant
+from goose.backends.lean import LeanForward
 from goose.bench.concurrency import cpu_name
-from goose.lean import LeanForward
-from goose.model import load_model
+from goose.loading.model import load_model
 
 
 def main() -> None:

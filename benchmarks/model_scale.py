@@ -2,7 +2,7 @@
 the speed-up it projects for them.
 
 Each model is built directly in GGUF block form (Q4_0 or Q8_0, ``--format``) on goose's quantized kernels
-(`goose.quant`): the HF model is created on the meta device, every projection, the embedding and the output
+(`goose.backends.quant`): the HF model is created on the meta device, every projection, the embedding and the output
 head get random GGUF rows packed straight into `QuantLinear` / `QuantEmbedding`, and only the RMSNorm weights
 (ones) and the rotary tables are real float32 tensors. No float32 weight matrix is ever materialised, so the
 8B shape in Q4_0 needs about its packed size (~4.5 GB) of memory. The kernels do the same work whatever the
@@ -22,7 +22,7 @@ than the published models whose embedding is tied:
 
 Measured: (a) the cost curve, median ms of one `LeanForward` call of N query tokens (a draft-shaped tree
 of N nodes, N in ``--tokens``) on a KV cache of ``--prefix`` tokens, by goose's own cost measurement
-(`goose.costmodel.measure`: one discarded warm-up pass, ``--repeats`` timed passes, medians made
+(`goose.selection.costmodel.measure`: one discarded warm-up pass, ``--repeats`` timed passes, medians made
 non-decreasing in N as the decoder's cost model keeps them).
 
 Projected: (b) goose's speed-up over plain decoding on that curve, ``max over n of (1 + E[accepted](n)) /
@@ -60,12 +60,14 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from goose import costmodel, quant, theory
+from goose import theory
+from goose.backends import quant
+from goose.backends.lean import LeanForward
+from goose.backends.quant import QuantEmbedding, QuantKernels, QuantLinear
 from goose.bench.concurrency import cpu_name
-from goose.costmodel import CostCurve
 from goose.errors import GooseError
-from goose.lean import LeanForward
-from goose.quant import QuantEmbedding, QuantKernels, QuantLinear
+from goose.selection import costmodel
+from goose.selection.costmodel import CostCurve
 
 
 @dataclass(frozen=True)

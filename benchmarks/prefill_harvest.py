@@ -18,7 +18,7 @@ from goose.bench import datasets
 from goose.bench.runner import Prompter
 from goose.config import DecodeConfig, DeviceAwareConfig, GooseConfig
 from goose.decoding import Decoder
-from goose.model import load_model
+from goose.loading.model import load_model
 
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 CATEGORIES = ["humaneval", "translation", "summarization", "qa", "math_reasoning", "rag"]

@@ -15,11 +15,11 @@ import argparse
 import json
 from pathlib import Path
 
+from goose.backends.forward import HFForward
+from goose.backends.lean import LeanForward
+from goose.backends.lean import supports as lean_supports
 from goose.decoding import Decoder
-from goose.forward import HFForward
-from goose.lean import LeanForward
-from goose.lean import supports as lean_supports
-from goose.model import load_model
+from goose.loading.model import load_model
 
 STAGES = ("draft", "tensorize", "forward", "verify", "compact", "harvest", "commit")
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"

@@ -128,7 +128,7 @@ def main() -> None:
     from goose.decoding import encode  # noqa: PLC0415
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from goose.model import gguf_source, model_dir  # noqa: PLC0415
+    from goose.loading.model import gguf_source, model_dir  # noqa: PLC0415
 
     gguf = gguf_source(args.model)
     if gguf is None:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from goose.bench import datasets
 from goose.bench.vllm_engine import SPEC_CONFIGS, TCMALLOC, cpu_model
-from goose.model import model_dir
+from goose.loading.model import model_dir
 from goose.server.bench import bench
 
 ROOT = Path(__file__).resolve().parents[1]

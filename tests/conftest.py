@@ -9,7 +9,7 @@ import torch
 from hypothesis import strategies as st
 
 from goose.config import GooseConfig, NgramConfig, SpineTreeConfig
-from goose.datastore import Datastore, from_token_ids
+from goose.drafting.datastore import Datastore, from_token_ids
 
 TINY_VOCAB = 96
 TINY_EOS = 1
@@ -67,7 +67,7 @@ def method_for(name: str, model):
     """Method names as the decoder takes them; `rest` with a store of the model's own greedy text."""
     if name != "rest":
         return name
-    from goose.methods import Rest
+    from goose.engine.methods import Rest
 
     return Rest(store=greedy_store(model))
 
@@ -92,7 +92,7 @@ def _threads(request):
 @pytest.fixture(autouse=True, scope="session")
 def _cost_curves_in_tmp(tmp_path_factory):
     """Cost curves the tests measure (tiny random models) go to a temporary folder, not the user's cache."""
-    from goose import costmodel
+    from goose.selection import costmodel
 
     root = tmp_path_factory.mktemp("goose-cache")
     with pytest.MonkeyPatch.context() as mp:

@@ -34,12 +34,12 @@ class CharTokenizer:
 def main(argv: list[str]) -> None:
     what = argv[0]
     if what == "dequantize":
-        from goose.model import model_dir
+        from goose.loading.model import model_dir
 
         ready()
         print(model_dir(argv[1]), flush=True)
     elif what == "datastore":
-        from goose import datastore
+        from goose.drafting import datastore
 
         ready()
         datastore.build(CharTokenizer(), [argv[1]], "faults", path=Path(argv[2]))
@@ -47,8 +47,8 @@ def main(argv: list[str]) -> None:
         import torch
 
         from conftest import make_tiny_llama
-        from goose.costmodel import load_or_measure
         from goose.decoding import default_forward
+        from goose.selection.costmodel import load_or_measure
 
         torch.set_num_threads(1)
         model = make_tiny_llama(dtype=torch.float32)
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> None:
         ready()
         load_or_measure(model, fwd, path=Path(argv[1]))
     elif what == "kernel":
-        from goose import cpukernel
+        from goose.backends import cpukernel
 
         ready()
         why = cpukernel.unavailable_reason()

@@ -1,7 +1,7 @@
 import torch
 
-from goose.adjacency import AdjacencyTable
 from goose.config import AdjacencyConfig
+from goose.drafting.adjacency import AdjacencyTable
 
 
 def logits_preferring(order_rows, vocab=20):
@@ -59,7 +59,7 @@ def test_reset_forgets_everything():
 
 def test_harvest_is_the_same_with_and_without_goose_kernel(monkeypatch):
     """The top-k behind a harvest runs on goose's CPU kernel where it is available, else torch.topk: same table."""
-    from goose import cpukernel
+    from goose.backends import cpukernel
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 500, generator=g)  # distinct values: the top 10 is unambiguous

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from conftest import TINY_EOS, TINY_VOCAB, hf_greedy, peaked
+from goose.backends.forward import FULL, SLIDING, HFForward, attention_layers
+from goose.backends.lean import LeanForward
+from goose.backends.tree_tensors import ancestor_mask, tree_depths
 from goose.config import DecodeConfig
-from goose.costmodel import CostCurve
 from goose.decoding import Decoder, default_forward
+from goose.drafting.tree import BRANCH, DraftTree
 from goose.errors import GooseError
-from goose.forward import FULL, SLIDING, HFForward, attention_layers
-from goose.lean import LeanForward
-from goose.tree import BRANCH, DraftTree
-from goose.tree_tensors import ancestor_mask, tree_depths
+from goose.selection.costmodel import CostCurve
 
 WINDOW = 8
 SMALL = dict(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -315,8 +315,8 @@ def test_sampled_bench_checks_goose_methods_and_leaves_hf_unchecked(tiny, tmp_pa
 
 
 def test_cli_bench_runs_lookahead_and_rest_and_reports_their_settings(tiny, tmp_path, monkeypatch, capsys):
-    from goose import datastore
     from goose.cli import main
+    from goose.drafting import datastore
 
     mdir = saved(tiny, tmp_path)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -17,7 +17,7 @@ def tiny_dir(tmp_path_factory):
     """A tiny random Llama saved with a real tokenizer (SmolLM2's vocabulary, no chat template)."""
     from transformers import AutoTokenizer
 
-    from goose.model import model_dir
+    from goose.loading.model import model_dir
 
     path = tmp_path_factory.mktemp("tiny")
     tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
@@ -127,7 +127,7 @@ def test_bad_sampling_options_fail_before_loading(argv, needle, capsys):
 
 
 def test_packaged_model_without_its_package(monkeypatch, tmp_path, capsys):
-    from goose import model as gm
+    from goose.loading import model as gm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setitem(gm.PACKAGED, "nope-1m", gm.Packaged("goose_no_such_package", "pip install nope==1"))
@@ -139,7 +139,7 @@ def test_packaged_gguf_that_fails_to_assemble(monkeypatch, tmp_path, capsys):
     import importlib.machinery
     import types
 
-    from goose import model as gm
+    from goose.loading import model as gm
 
     fake = types.ModuleType("goose_fake_chunks")
     fake.__spec__ = importlib.machinery.ModuleSpec("goose_fake_chunks", None)
@@ -159,7 +159,8 @@ def test_packaged_gguf_that_fails_to_assemble(monkeypatch, tmp_path, capsys):
 
 
 def test_profile_prints_the_curve_and_the_kernels(tiny_dir, capsys, tmp_path, monkeypatch):
-    from goose import costmodel, cpukernel
+    from goose.backends import cpukernel
+    from goose.selection import costmodel
 
     monkeypatch.setattr(costmodel, "cache_root", lambda: tmp_path / "cache")  # measured here, not read from a cache
     monkeypatch.setattr(costmodel, "MAX_SPREAD", float("inf"))  # cached even when the machine is busy

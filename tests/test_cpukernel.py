@@ -1,4 +1,4 @@
-"""goose's own CPU kernels (`goose.cpukernel`): build here; the linear kernel multiplies right with rows
+"""goose's own CPU kernels (`goose.backends.cpukernel`): build here; the linear kernel multiplies right with rows
 independent of each other; the attention kernel matches a float64 reference (rotary, cache write, tree
 masks, GQA); top-k matches a stable sort; they fall back clearly, and `LeanForward` on them matches
 PyTorch's kernels and the HF model."""
@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from goose import cpukernel
+from goose.backends import cpukernel
+from goose.backends.lean import LeanForward
 from goose.errors import GooseError
-from goose.lean import LeanForward
 from test_lean import assert_same, call_script, play, tiny_llama
 
 KERNEL = cpukernel.kernel()
@@ -303,7 +303,7 @@ def llama32_biased():
 
 @needs_kernel
 def test_lean_forward_on_the_kernel_matches_torch_kernels_and_hf(llama32_biased):
-    from goose.forward import HFForward
+    from goose.backends.forward import HFForward
 
     script = call_script(13)
     ours, torchs = LeanForward(llama32_biased), LeanForward(llama32_biased, kernel=False)
@@ -340,9 +340,9 @@ def _fp32(arch: str, **overrides):
                                             ("gpt2", {}), ("qwen2", {})])
 def test_hf_forward_on_the_kernel(arch, overrides):
     from conftest import TINY_EOS, TINY_VOCAB, hf_greedy
+    from goose.backends.forward import HFForward
     from goose.config import DecodeConfig
     from goose.decoding import Decoder
-    from goose.forward import HFForward
 
     model = _fp32(arch, **overrides)
     ours, plain = HFForward(model), HFForward(model, kernel=False)
@@ -362,7 +362,7 @@ def test_hf_forward_on_the_kernel(arch, overrides):
 
 @needs_kernel
 def test_kernel_linears_are_switched_out_after_an_error():
-    from goose.forward import HFForward
+    from goose.backends.forward import HFForward
 
     model = _fp32("llama")
     fwd = HFForward(model)
@@ -378,7 +378,7 @@ def test_kernel_linears_are_switched_out_after_an_error():
 
 
 def test_hf_forward_kernel_refused_for_float64():
-    from goose.forward import HFForward
+    from goose.backends.forward import HFForward
 
     with pytest.raises(GooseError, match="float32"):
         HFForward(_fp32("llama").double(), kernel=True)

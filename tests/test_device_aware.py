@@ -10,15 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import hf_greedy, make_tiny_llama
-from goose import costmodel
-from goose.acceptance import CONSENSUS, SHORT, AcceptanceModel
+from goose.backends.forward import HFForward
 from goose.config import AcceptanceConfig
-from goose.costmodel import BatchCostCurve, CostCurve, load_or_measure, measure, monotone
+from goose.drafting.tree import BRANCH, SPINE, DraftTree
 from goose.engine.step import WORTH_MARGIN
-from goose.forward import HFForward
-from goose.selector import path_probs, select
-from goose.tree import BRANCH, SPINE, DraftTree
-from goose.verify import WalkResult
+from goose.engine.verify import WalkResult
+from goose.selection import costmodel
+from goose.selection.acceptance import CONSENSUS, SHORT, AcceptanceModel
+from goose.selection.costmodel import BatchCostCurve, CostCurve, load_or_measure, measure, monotone
+from goose.selection.selector import path_probs, select
 
 
 def test_cost_curve_interpolates_and_extrapolates():
@@ -218,8 +218,8 @@ def test_best_child_bounds_every_path_probability(data):
 
 
 def test_candidates_skip_the_tree_below_min_prob(tiny_model):
+    from goose.engine.methods import make_method
     from goose.engine.step import _worth
-    from goose.methods import make_method
 
 
     m = make_method("goose", tiny_model.config.vocab_size, None)

@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 
 from conftest import TINY_EOS, TINY_VOCAB, hf_greedy, make_tiny_llama, method_for
 from goose import DecodeConfig, Decoder, Engine, GooseError
-from goose.costmodel import BatchCostCurve, CostCurve
+from goose.backends.forward import HFForward
+from goose.backends.lean import LeanForward
+from goose.drafting.tree import BRANCH, SPINE, DraftTree
+from goose.engine.methods import make_method
 from goose.engine.step import Slot, step
-from goose.forward import HFForward
-from goose.lean import LeanForward
-from goose.methods import make_method
-from goose.selector import Candidates, allocate_counts
-from goose.tree import BRANCH, SPINE, DraftTree
+from goose.selection.costmodel import BatchCostCurve, CostCurve
+from goose.selection.selector import Candidates, allocate_counts
 
 METHODS = ["ar", "pld", "tr", "goose-paper", "goose", "lookahead", "rest"]
 FLAT = CostCurve((1, 128), (10.0, 10.0))  # every tree free: the largest candidates are verified

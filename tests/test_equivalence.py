@@ -11,14 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TINY_EOS, TINY_VOCAB, configs, hf_greedy, make_tiny_llama, method_for, prompts
+from goose.backends.forward import HFForward
+from goose.backends.lean import LeanForward
+from goose.backends.tree_tensors import ancestor_mask, tree_depths
 from goose.config import DecodeConfig
-from goose.costmodel import CostCurve
 from goose.decoding import Decoder
-from goose.forward import HFForward
-from goose.lean import LeanForward
-from goose.methods import METHODS
-from goose.tree import BRANCH, DraftTree
-from goose.tree_tensors import ancestor_mask, tree_depths
+from goose.drafting.tree import BRANCH, DraftTree
+from goose.engine.methods import METHODS
+from goose.selection.costmodel import CostCurve
 
 
 def random_tree(rng: random.Random, n: int) -> DraftTree:

@@ -122,7 +122,7 @@ def test_two_first_loads_on_an_empty_cache_both_succeed(raced, gguf_file):
 
 
 def test_kill_during_dequantization_then_rerun(raced, gguf_file, tmp_path, monkeypatch):
-    from goose.model import _complete, model_dir
+    from goose.loading.model import _complete, model_dir
 
     reference = weights(Path(next(iter(raced["dirs"]))))
     cache = tmp_path / "cache"
@@ -141,7 +141,7 @@ def test_kill_during_dequantization_then_rerun(raced, gguf_file, tmp_path, monke
 
 def test_gguf_copies_are_keyed_by_content(tmp_path, monkeypatch):
     """Same file name and size, other weights: another copy; a file rewritten in place: hashed again."""
-    from goose import model as gm
+    from goose.loading import model as gm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for d in ("a", "b"):
@@ -167,7 +167,7 @@ def test_gguf_copies_are_keyed_by_content(tmp_path, monkeypatch):
 
 def test_damaged_model_copy_is_rebuilt(raced, gguf_file, tmp_path, monkeypatch):
     """A copy damaged from outside (config.json torn) is never used: it is dequantized again."""
-    from goose.model import model_dir
+    from goose.loading.model import model_dir
 
     import shutil
 
@@ -196,7 +196,7 @@ def same_store(a, b) -> bool:
 
 
 def test_kill_during_datastore_build_then_rerun(tmp_path):
-    from goose import datastore
+    from goose.drafting import datastore
 
     src_old, src_new = corpus_dir(tmp_path / "old", 1), corpus_dir(tmp_path / "new", 2)
     ref_new = datastore.build(CharTokenizer(), [str(src_new)], "ref", path=tmp_path / "ref")
@@ -227,7 +227,7 @@ def test_kill_during_datastore_build_then_rerun(tmp_path):
 
 @pytest.fixture()
 def saved_store(tmp_path, monkeypatch):
-    from goose import datastore
+    from goose.drafting import datastore
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     store = datastore.from_token_ids([[3, 4, 5, 6], [7, 8, 9]], {"name": "bad"})
@@ -263,7 +263,7 @@ def test_damaged_datastore_is_refused_in_one_line(saved_store, damage, needle, c
 
 def test_store_without_size_record_is_still_checked(saved_store):
     """Stores written before sizes were recorded: the arrays themselves are checked."""
-    from goose import datastore
+    from goose.drafting import datastore
 
     meta = json.loads((saved_store / "meta.json").read_text())
     del meta["files"]
@@ -276,7 +276,7 @@ def test_store_without_size_record_is_still_checked(saved_store):
 
 def test_rebuild_keeps_a_mapped_store_readable(saved_store):
     """A decoder that has a store memory-mapped keeps reading the old arrays while it is rebuilt."""
-    from goose import datastore
+    from goose.drafting import datastore
 
     before = datastore.load("bad", saved_store)
     tokens = before.tokens.copy()
@@ -289,9 +289,9 @@ def test_rebuild_keeps_a_mapped_store_readable(saved_store):
 
 def test_kill_during_cost_curve_measurement_then_rerun(tmp_path, monkeypatch):
     from conftest import make_tiny_llama
-    from goose import costmodel
-    from goose.costmodel import CostCurve, load_or_measure
     from goose.decoding import default_forward
+    from goose.selection import costmodel
+    from goose.selection.costmodel import CostCurve, load_or_measure
 
     monkeypatch.setattr(costmodel, "MAX_SPREAD", float("inf"))  # cached even when the machine is busy
     curve_file = tmp_path / "cost" / "tiny.json"
@@ -318,7 +318,7 @@ def test_kill_during_cost_curve_measurement_then_rerun(tmp_path, monkeypatch):
 def test_kill_during_kernel_build_then_rerun(tmp_path):
     import ctypes
 
-    from goose import cpukernel
+    from goose.backends import cpukernel
 
     if cpukernel.unavailable_reason() is not None:
         pytest.skip(f"goose's kernel is not available here: {cpukernel.unavailable_reason()}")

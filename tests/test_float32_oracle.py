@@ -20,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TINY_EOS, configs, make_tiny_llama, method_for, prompts
-from goose import cpukernel
+from goose.backends import cpukernel
 from goose.config import DecodeConfig
-from goose.costmodel import CostCurve
 from goose.decoding import Decoder, default_forward
-from goose.methods import METHODS
+from goose.engine.methods import METHODS
+from goose.selection.costmodel import CostCurve
 
 CURVES = {
     "cpu": CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (58, 93, 95, 98, 118, 154, 232, 407)),
@@ -99,7 +99,7 @@ def real_prompts(tok, n: int) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_ar_on_goose_kernels_equals_hf_generate_on_smollm2(capsys):
-    from goose.model import load_model
+    from goose.loading.model import load_model
 
     model, tok = load_model()
     ar = Decoder(model, tok, "ar")

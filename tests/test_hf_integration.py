@@ -12,9 +12,9 @@ from transformers.generation.streamers import BaseStreamer
 
 import goose
 from conftest import TINY_EOS, TINY_VOCAB, hf_greedy, make_tiny_llama
-from goose.costmodel import CostCurve
 from goose.decoding import Decoder
 from goose.errors import GooseError
+from goose.selection.costmodel import CostCurve
 
 BIG_TREES = CostCurve((1, 128), (10, 10.5))
 
@@ -41,7 +41,7 @@ def worded():
     """A tiny random Llama over SmolLM2's real tokenizer (multi-byte pieces, spaces, newlines)."""
     from transformers import AutoTokenizer
 
-    from goose.model import model_dir
+    from goose.loading.model import model_dir
 
     tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
     return make_tiny_llama(dtype=torch.float32, vocab=len(tok), seed=2), tok

@@ -10,7 +10,7 @@ import torch
 
 from goose.integrations.sglang import (GooseTreeDrafter, accepted_path, batch_to_sglang, parents_from_mask,
                                        tree_to_sglang)
-from goose.tree import BRANCH, SPINE, DraftTree
+from goose.drafting.tree import BRANCH, SPINE, DraftTree
 
 def random_tree(rng: np.random.Generator, n: int, vocab: int = 50) -> DraftTree:
     tree = DraftTree.root(int(rng.integers(vocab)))

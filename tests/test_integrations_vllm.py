@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from goose.drafting.ngram import NgramIndex
 from goose.integrations.vllm import ChainAcceptance, GooseProposer, ProposerConfig, StepCost, allocate
-from goose.ngram import NgramIndex
 
 
 class FakeBatch:

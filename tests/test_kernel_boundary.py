@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from goose import cpukernel
+from goose.backends import cpukernel
 
 KERNEL = cpukernel.kernel()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"goose's CPU kernel: {cpukernel.unavailable_reason()}")

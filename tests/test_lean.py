@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import hf_greedy
-from goose import cpukernel
+from goose.backends import cpukernel
+from goose.backends.forward import HFForward
+from goose.backends.lean import LeanForward, _mkldnn_available, supports
+from goose.backends.tree_tensors import parent_tensors
 from goose.config import DecodeConfig
 from goose.decoding import Decoder
 from goose.errors import GooseError
-from goose.forward import HFForward
-from goose.lean import LeanForward, _mkldnn_available, supports
-from goose.tree_tensors import parent_tensors
 
 VOCAB = 128
 EOS = 2

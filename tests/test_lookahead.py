@@ -11,15 +11,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TINY_EOS, TINY_VOCAB, hf_greedy
+from goose.backends.forward import HFForward
+from goose.backends.lean import LeanForward
+from goose.backends.tree_tensors import ancestor_mask, is_chain, tree_depths
 from goose.config import DecodeConfig, LookaheadConfig
 from goose.decoding import Decoder
-from goose.forward import HFForward
-from goose.lean import LeanForward
-from goose.lookahead import JacobiWindow, NgramPool
-from goose.methods import Lookahead
-from goose.tree import SPINE, DraftTree
-from goose.tree_tensors import ancestor_mask, is_chain, tree_depths
-from goose.verify import greedy_walk
+from goose.drafting.lookahead import JacobiWindow, NgramPool
+from goose.drafting.tree import SPINE, DraftTree
+from goose.engine.methods import Lookahead
+from goose.engine.verify import greedy_walk
 
 
 def test_pool_keeps_the_most_recent_distinct_guesses_per_key():

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from goose import quant
-from goose.costmodel import CostCurve
-from goose.lean import LeanForward
+from goose.backends import quant
+from goose.backends.lean import LeanForward
+from goose.selection.costmodel import CostCurve
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "model_scale.py"
 needs_quant = pytest.mark.skipif(quant.kernels_or_none() is None,

@@ -1,5 +1,5 @@
 from goose.config import NgramConfig
-from goose.ngram import NgramIndex, chain_confidence
+from goose.drafting.ngram import NgramIndex, chain_confidence
 
 
 def index_of(tokens, sizes=(3, 2, 1), max_chain=20):

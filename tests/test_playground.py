@@ -29,7 +29,7 @@ BROWSER_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-de
 def served():
     from transformers import AutoTokenizer
 
-    from goose.model import model_dir
+    from goose.loading.model import model_dir
 
     tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
     model = make_tiny_llama(dtype=torch.float32, vocab=len(tok), seed=2)

@@ -1,4 +1,4 @@
-"""goose's quantized-block kernels (`goose.quant`): every variant this CPU runs dequantizes each GGUF format
+"""goose's quantized-block kernels (`goose.backends.quant`): every variant this CPU runs dequantizes each GGUF format
 to exactly gguf's float32 weights, multiplies like a float64 reference, gives every row the same bits
 whatever the row count, and equals goose's float32 kernel bit for bit (so `LeanForward` on GGUF blocks
 equals `LeanForward` on the dequantized float32 model); bad input is refused before C++ reads it."""
@@ -10,10 +10,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from goose import cpukernel, quant
+from goose.backends import cpukernel, quant
+from goose.backends.lean import LeanForward
 from goose.errors import GooseError
-from goose.lean import LeanForward
-from goose.model import gguf_source
+from goose.loading.model import gguf_source
 from test_lean import call_script, play, tiny_llama
 
 VARIANTS = quant.runnable_variants()
@@ -244,7 +244,7 @@ REAL_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm_pair():
-    from goose.model import load_model
+    from goose.loading.model import load_model
 
     q, tok = load_model("smollm2-135m", weights="gguf")
     f, _ = load_model("smollm2-135m", weights="float32")

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from goose.backends.forward import HFForward
 from goose.bench.datasets import humaneval
 from goose.cli import first_mismatch
 from goose.config import DecodeConfig
-from goose.costmodel import CostCurve
 from goose.decoding import Decoder
-from goose.forward import HFForward
-from goose.model import load_model
+from goose.loading.model import load_model
+from goose.selection.costmodel import CostCurve
 
 MAX_NEW = 24
 # A fixed CPU-like cost curve: trees of a few nodes (no timing measured during the test).

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from goose import datastore
 from goose.cli import first_mismatch
 from goose.decoding import Decoder
-from goose.methods import METHODS
-from goose.model import load_model
+from goose.drafting import datastore
+from goose.engine.methods import METHODS
+from goose.loading.model import load_model
 
 PROMPTS = {
     "code-edit": "Rename the variable `x` to `count` everywhere in this function and show the full result:\n"

@@ -11,14 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import TINY_EOS, TINY_VOCAB, greedy_store, hf_greedy
-from goose import datastore as ds
-from goose.baselines import build_trie
 from goose.cli import main
 from goose.config import DecodeConfig, RestConfig
 from goose.decoding import Decoder
+from goose.drafting import datastore as ds
+from goose.drafting.baselines import build_trie
+from goose.engine.methods import Rest
 from goose.errors import GooseError
-from goose.methods import Rest
-from goose.model import model_dir
+from goose.loading.model import model_dir
 
 docs_st = st.lists(st.lists(st.integers(0, 5), max_size=30), min_size=1, max_size=6)
 
@@ -183,8 +183,8 @@ prompts = st.one_of(
 @given(prompt=prompts, max_new=st.integers(1, 40), budget=st.integers(0, 40), length=st.integers(1, 12),
        backend=st.sampled_from(["hf", "lean"]))
 def test_rest_equals_greedy_generate(tiny_model, prompt, max_new, budget, length, backend):
-    from goose.forward import HFForward
-    from goose.lean import LeanForward
+    from goose.backends.forward import HFForward
+    from goose.backends.lean import LeanForward
 
     ref = hf_greedy(tiny_model, prompt, max_new)
     method = Rest(RestConfig(node_budget=budget, continuation_length=length, min_suffix=1), greedy_store(tiny_model))

@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 
 from conftest import TINY_VOCAB, make_tiny_llama, method_for
 from goose.config import DecodeConfig
-from goose.costmodel import CostCurve
 from goose.decoding import Decoder
+from goose.engine.methods import METHODS
+from goose.engine.sampling import argmax_rows, warpers
 from goose.errors import GooseError
-from goose.methods import METHODS
-from goose.sampling import argmax_rows, warpers
+from goose.selection.costmodel import CostCurve
 
 BIG_TREES = CostCurve((1, 128), (10, 10.5))  # trees almost free: goose verifies large trees
 SMALL_V = 8

@@ -33,7 +33,7 @@ TIMEOUT = 60  # seconds any one request may take
 def worded():
     from transformers import AutoTokenizer
 
-    from goose.model import model_dir
+    from goose.loading.model import model_dir
 
     tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
     return make_tiny_llama(dtype=torch.float32, vocab=len(tok), seed=2), tok

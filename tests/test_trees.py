@@ -1,12 +1,12 @@
 import torch
 
-from goose.adjacency import AdjacencyTable
-from goose.baselines import build_chain, build_isotropic_tree, build_tr_tree
+from goose.backends.tree_tensors import additive_mask, ancestor_mask, is_chain, tree_depths
 from goose.config import AdjacencyConfig, GooseConfig, IsotropicConfig, TRConfig
-from goose.spine import build_spine_tree, spine_ratio, tree_budget
-from goose.tree import BRANCH, ROOT, SPINE, DraftTree
-from goose.tree_tensors import additive_mask, ancestor_mask, is_chain, tree_depths
-from goose.verify import greedy_walk
+from goose.drafting.adjacency import AdjacencyTable
+from goose.drafting.baselines import build_chain, build_isotropic_tree, build_tr_tree
+from goose.drafting.spine import build_spine_tree, spine_ratio, tree_budget
+from goose.drafting.tree import BRANCH, ROOT, SPINE, DraftTree
+from goose.engine.verify import greedy_walk
 
 V = 200
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from goose.drafting.tree import BRANCH, SPINE, DraftTree
 from goose.integrations.sglang import batch_to_sglang, parents_from_mask, tree_to_sglang
-from goose.tree import BRANCH, SPINE, DraftTree
 
 
 def random_tree(rng: np.random.Generator, n: int, vocab: int = 50) -> DraftTree:

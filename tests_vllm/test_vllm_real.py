@@ -21,7 +21,7 @@ MAX_NEW = 96
 
 @pytest.fixture(scope="module")
 def results():
-    from goose.model import model_dir
+    from goose.loading.model import model_dir
 
     model = str(model_dir("smollm2-135m"))  # made by the main venv (make test) before these tests
     prompts = prompt_ids(model, BUILTIN[:5], chat=True)

@@ -2,11 +2,11 @@
 
 from .config import DecodeConfig, GooseConfig
 from .decoding import Decoder, GenerationResult, generate
+from .engine.methods import METHODS
 from .engine.scheduler import Engine, Request
 from .errors import GooseError
-from .hf import HUB_ENTRY, custom_generate
-from .methods import METHODS
-from .model import DEFAULT_MODEL, load_model
+from .integrations.hf import HUB_ENTRY, custom_generate
+from .loading.model import DEFAULT_MODEL, load_model
 
 __all__ = ["Decoder", "Engine", "Request", "GenerationResult", "generate", "GooseConfig", "DecodeConfig", "GooseError", "METHODS",
            "DEFAULT_MODEL", "load_model", "custom_generate", "HUB_ENTRY"]

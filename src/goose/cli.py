@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from .errors import GooseError
-from .methods import METHODS
+from .engine.methods import METHODS
 from .cliargs import add_model_args, add_sampling_args, first_mismatch, method_name, positive_int, sampling_options
-from .model import DEFAULT_MODEL
+from .loading.model import DEFAULT_MODEL
 
 
 def _read_prompt(args) -> str:
@@ -37,7 +37,7 @@ def _read_prompt(args) -> str:
 
 def cmd_generate(args) -> int:
     from .decoding import Decoder
-    from .model import load_model
+    from .loading.model import load_model
 
     prompt = _read_prompt(args)
     if not prompt.strip():
@@ -85,10 +85,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def cmd_profile(args) -> int:
-    from . import cpukernel
-    from .costmodel import load_or_measure
+    from .backends import cpukernel
+    from .selection.costmodel import load_or_measure
     from .decoding import default_forward
-    from .model import load_model
+    from .loading.model import load_model
 
     model, _ = load_model(args.model, args.dtype, args.device, weights=args.weights)
     fwd = default_forward(model)
@@ -121,8 +121,8 @@ def cmd_profile(args) -> int:
 def cmd_datastore_build(args) -> int:
     from transformers import AutoTokenizer
 
-    from . import datastore
-    from .model import model_dir
+    from .drafting import datastore
+    from .loading.model import model_dir
 
     tok = AutoTokenizer.from_pretrained(model_dir(args.model))
     tok.model_max_length = 1 << 62  # whole documents are tokenized; no length warning
@@ -149,7 +149,7 @@ def _print_info(info: dict) -> None:
 
 
 def cmd_datastore_info(args) -> int:
-    from . import datastore
+    from .drafting import datastore
 
     _print_info(datastore.load(args.name).info())
     return 0

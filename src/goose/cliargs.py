@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 
 from .config import DecodeConfig
+from .engine.methods import METHODS
 from .errors import GooseError
-from .methods import METHODS
-from .model import DEFAULT_MODEL, PACKAGED
+from .loading.model import DEFAULT_MODEL, PACKAGED
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

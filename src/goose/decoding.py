@@ -19,15 +19,15 @@ from dataclasses import dataclass, fields
 import torch
 
 from .config import DecodeConfig, GooseConfig
-from .costmodel import BatchCostCurve, CostCurve
+from .selection.costmodel import BatchCostCurve, CostCurve
 from .engine.step import Slot, step
 from .errors import GooseError
-from .forward import HFForward
-from .lean import LeanForward
-from .lean import supports as lean_supports
-from .methods import Method, make_method
-from .stats import Stats
-from .sampling import Chooser
+from .backends.forward import HFForward
+from .backends.lean import LeanForward
+from .backends.lean import supports as lean_supports
+from .engine.methods import Method, make_method
+from .engine.stats import Stats
+from .engine.sampling import Chooser
 
 
 @dataclass

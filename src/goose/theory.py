@@ -227,7 +227,7 @@ def branch_only(budget: int, model: TwoSourceModel) -> Tree:
 
 def goose_tree(budget: int, model: TwoSourceModel, confidence: float = 0.0, ema: float | None = None,
                spine_branch_share: float = 0.5, max_branch_depth: int = 6, min_score: float = 0.01) -> Tree:
-    """The paper's spine tree shape (spec §5, src/goose/spine.py) under the model, at equal budget.
+    """The paper's spine tree shape (spec §5, src/goose/drafting/spine.py) under the model, at equal budget.
 
     The spec's budget bonus int(c * 40) is not applied: trees are compared at the same size.
     ema=None: the long-run EMA, i.e. the spec's EMA update fed with the expected spine acceptance

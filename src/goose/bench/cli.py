@@ -10,7 +10,7 @@ from pathlib import Path
 from .. import cachefs
 from ..cliargs import add_model_args, add_sampling_args, positive_int, sampling_options
 from ..errors import GooseError
-from ..model import DEFAULT_MODEL
+from ..loading.model import DEFAULT_MODEL
 from . import datasets, store
 from .engines import ALL_METHODS, method_settings
 from .plots import write_plots
@@ -42,11 +42,11 @@ def model_key(model: str) -> str:
 
 def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     """Shared by bench and demo: check the directory, load, run, then write summary, report and plots."""
-    from ..model import load_model
+    from ..loading.model import load_model
 
     import torch
 
-    from ..model import resolve_device
+    from ..loading.model import resolve_device
 
     out = Path(args.out)
     if args.threads is not None:
@@ -62,7 +62,7 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     settings = method_settings(methods)  # a missing datastore fails here, before the model load
     t0 = time.perf_counter()
     model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
-    from ..quant import weights_kind
+    from ..backends.quant import weights_kind
 
     runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"],
                     sampling=pinned["sampling"])
@@ -118,8 +118,8 @@ def run_concurrency(args, questions: list) -> int:
     """`--concurrency N` / `--rate R`: the methods on one Engine each, N requests in flight."""
     import torch
 
-    from ..methods import METHODS
-    from ..model import load_model
+    from ..engine.methods import METHODS
+    from ..loading.model import load_model
     from .concurrency import run
 
     if args.rate is not None and not args.rate > 0:

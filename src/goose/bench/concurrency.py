@@ -82,7 +82,7 @@ def run(model, tok, questions, methods: list[str], max_new: int, concurrency: in
         row = run_method(model, tok, m, prompts, max_new, concurrency, rate, seed, options)
         row["identical"] = sum(o == r for o, r in zip(row.pop("outputs"), refs))
         rows.append(row)
-    from ..quant import weights_kind
+    from ..backends.quant import weights_kind
 
     meta = {"cpu": cpu_name(), "concurrency": concurrency, "rate": rate, "max_new_tokens": max_new,
             "requests": len(prompts), "chat": chat, "sampling": options or None,

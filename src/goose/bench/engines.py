@@ -13,11 +13,11 @@ from dataclasses import asdict
 
 import torch
 
-from .. import datastore
 from ..config import DecodeConfig, LookaheadConfig, RestConfig
 from ..decoding import Decoder
+from ..drafting import datastore
+from ..engine.methods import METHODS
 from ..errors import GooseError
-from ..methods import METHODS
 
 HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}
 ALL_METHODS = METHODS + tuple(HF_METHODS)

@@ -331,7 +331,7 @@ def render(table: dict, meta: dict) -> str:
 
 def cmd_bench_vllm(args, questions, argv: list[str]) -> int:
     """`goose bench --engine vllm`: every method on the same prompts, one worker process each."""
-    from ..model import model_dir  # noqa: PLC0415
+    from ..loading.model import model_dir  # noqa: PLC0415
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in SPEC_CONFIGS]

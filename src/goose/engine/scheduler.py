@@ -16,12 +16,12 @@ import threading
 import time
 from collections import deque
 
-from ..costmodel import load_or_measure_batch
-from ..cpukernel import release_thread_team
+from ..backends.cpukernel import release_thread_team
+from ..selection.costmodel import load_or_measure_batch
 from ..decoding import GenerationResult, context_limit, decode_config, default_forward, encode, eos_ids, id_set, \
     text_pieces
 from ..errors import GooseError
-from ..methods import Method, make_method
+from .methods import Method, make_method
 from .step import Slot, step
 
 _END = object()  # end of a request's block queue

@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backends.lean import Segment
+from ..backends.tree_tensors import ancestor_mask, is_chain, tree_depths
 from ..config import DecodeConfig
+from ..drafting.tree import ROOT
 from ..errors import GooseError
-from ..lean import Segment
-from ..sampling import Chooser
-from ..selector import allocate
-from ..stats import Stats
-from ..tree import ROOT
-from ..tree_tensors import ancestor_mask, is_chain, tree_depths
+from ..selection.selector import allocate
+from .sampling import Chooser
+from .stats import Stats
 
 PREFILL, DECODE, DONE = "prefill", "decode", "done"
 

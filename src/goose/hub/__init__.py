@@ -1,1 +1,1 @@
-"""A local `custom_generate` repository for transformers (see goose.hf.HUB_ENTRY)."""
+"""A local `custom_generate` repository for transformers (see goose.integrations.hf.HUB_ENTRY)."""

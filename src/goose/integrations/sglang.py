@@ -30,11 +30,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..adjacency import AdjacencyTable
 from ..config import AdjacencyConfig, GooseConfig
-from ..ngram import NgramIndex
-from ..spine import build_spine_tree
-from ..tree import SPINE, DraftTree
+from ..drafting.adjacency import AdjacencyTable
+from ..drafting.ngram import NgramIndex
+from ..drafting.spine import build_spine_tree
+from ..drafting.tree import SPINE, DraftTree
 
 ALGORITHM = "GOOSE"
 

@@ -49,9 +49,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..acceptance import SHORT, depth_bucket, match_kind
 from ..config import NgramConfig
-from ..ngram import NgramIndex, Proposal
+from ..drafting.ngram import NgramIndex, Proposal
+from ..selection.acceptance import SHORT, depth_bucket, match_kind
 
 _DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)  # depth buckets of the acceptance model
 MEMORY = 3  # match kind of a chain copied from an earlier request's context

@@ -27,9 +27,9 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from ..decoding import encode_chat
+from ..drafting.tree import BRANCH, SPINE
+from ..engine.methods import METHODS
 from ..errors import GooseError
-from ..methods import METHODS
-from ..tree import BRANCH, SPINE
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatCompletionRequest, CompletionRequest
 
@@ -455,7 +455,7 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
     import uvicorn
 
     from ..engine.scheduler import Engine
-    from ..model import load_model
+    from ..loading.model import load_model
 
     net, tok = load_model(model, dtype, device, weights=weights)
     engine = Engine(net, tok, method, max_batch=max_batch, max_queue=max_queue)

@@ -1,3 +1,3 @@
 """transformers loads `generate` from here for ``model.generate(custom_generate=goose.HUB_ENTRY, ...)``."""
 
-from goose.hf import hub_generate as generate  # noqa: F401
+from goose.integrations.hf import hub_generate as generate  # noqa: F401

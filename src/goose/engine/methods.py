@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import copy
 
-from .acceptance import SHORT, AcceptanceModel, match_kind
-from .adjacency import AdjacencyTable
-from .baselines import build_chain, build_isotropic_tree, build_tr_tree, build_trie
-from .config import AdjacencyConfig, GooseConfig, IsotropicConfig, LookaheadConfig, PLDConfig, RestConfig, TRConfig
-from .costmodel import CostCurve, load_or_measure
-from .datastore import Datastore, check_tokenizer
-from .datastore import load as load_datastore
-from .errors import GooseError
-from .lookahead import JacobiWindow, NgramPool
-from .ngram import NgramIndex
+from ..config import AdjacencyConfig, GooseConfig, IsotropicConfig, LookaheadConfig, PLDConfig, RestConfig, TRConfig
+from ..drafting.adjacency import AdjacencyTable
+from ..drafting.baselines import build_chain, build_isotropic_tree, build_tr_tree, build_trie
+from ..drafting.datastore import Datastore, check_tokenizer
+from ..drafting.datastore import load as load_datastore
+from ..drafting.lookahead import JacobiWindow, NgramPool
+from ..drafting.ngram import NgramIndex
+from ..drafting.spine import build_spine_tree, tree_budget
+from ..drafting.tree import SPINE, DraftTree
+from ..errors import GooseError
+from ..selection.acceptance import SHORT, AcceptanceModel, match_kind
+from ..selection.costmodel import CostCurve, load_or_measure
+from ..selection.selector import Candidates, allocate
 from .sampling import argmax_rows
-from .selector import Candidates, allocate
-from .spine import build_spine_tree, tree_budget
-from .tree import SPINE, DraftTree
 from .verify import WalkResult
 
 
@@ -236,7 +236,7 @@ class DeviceAwareGoose(GoosePaper):
 
 class Lookahead(Method):
     """Lookahead decoding: each step verifies the anchor's pooled n-grams as a trie and, in the same
-    forward, advances the Jacobi window whose trajectories fill the pool (spec §9, `lookahead.py`)."""
+    forward, advances the Jacobi window whose trajectories fill the pool (spec §9, `drafting/lookahead.py`)."""
 
     name = "lookahead"
 
@@ -269,7 +269,7 @@ class Lookahead(Method):
 
 class Rest(Method):
     """REST: continuations of the longest context suffix found in a datastore, merged into a frequency
-    trie of at most `node_budget` nodes (spec §9, `datastore.py`)."""
+    trie of at most `node_budget` nodes (spec §9, `drafting/datastore.py`)."""
 
     name = "rest"
 

@@ -22,7 +22,7 @@ What is guaranteed (tests check each point):
 Kernel variants, chosen from the CPU flags (``/proc/cpuinfo``), in this fallback order: ``avx512``
 (AVX-512 F/BW/VL + FMA + F16C), ``avx2`` (AVX2 + FMA + F16C), none (the GGUF is used dequantized to float32,
 with a one-line notice). The source is compiled once per variant and machine into
-``$XDG_CACHE_HOME/goose/kernels/``, like ``cpu_kernels.cpp`` (`goose.cpukernel`), and shares torch's OpenMP
+``$XDG_CACHE_HOME/goose/kernels/``, like ``cpu_kernels.cpp`` (`goose.backends.cpukernel`), and shares torch's OpenMP
 threads. ``GOOSE_CPU_KERNEL=0`` switches these kernels off too.
 
 The embedding and the output head: a quantized ``token_embd`` stays quantized; a lookup dequantizes just the
@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import GooseError
 from . import cpukernel
-from .errors import GooseError
 
 SOURCE = Path(__file__).with_name("quant_kernels.cpp")
 ABI = 1

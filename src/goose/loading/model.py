@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from . import cachefs
-from .errors import GooseError
-from .paths import cache_root, package_file  # noqa: F401  (re-exported)
-from .forward import SUPPORTED_ATTENTION
+from .. import cachefs
+from ..backends.forward import SUPPORTED_ATTENTION
+from ..errors import GooseError
+from ..paths import cache_root, package_file  # noqa: F401  (re-exported)
 
 SOURCE_RECORD = "goose-source.json"  # beside a dequantized model: which GGUF (path, size, sha256) it came from
 HASH_MEMO = "gguf-sha256.json"  # path|size|mtime -> sha256, so a GGUF is hashed once
@@ -224,7 +224,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     """Returns ``(model, tokenizer)`` ready for goose, in eval mode.
 
     `weights` (GGUF sources): "gguf" keeps the file's quantized blocks and multiplies with them directly
-    (`goose.quant`: the same float32 weight values, bit-identical logits under `LeanForward`, ~1/5 of the
+    (`goose.backends.quant`: the same float32 weight values, bit-identical logits under `LeanForward`, ~1/5 of the
     memory reads); "float32" the dequantized weights; None (default) "gguf" where it applies, else float32."""
     if attn_implementation not in SUPPORTED_ATTENTION:
         raise GooseError(f"attention implementation '{attn_implementation}' ignores custom tree masks; "
@@ -235,7 +235,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     dt = resolve_dtype(dtype)
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        from .quant import load_gguf_model  # GGUF blocks (None: float32 weights)
+        from ..backends.quant import load_gguf_model  # GGUF blocks (None: float32 weights)
 
         net = load_gguf_model(path, gguf_source(model), weights, dt, resolve_device(device), attn_implementation)
         if net is None:

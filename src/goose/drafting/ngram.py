@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .config import NgramConfig
+from ..config import NgramConfig
 
 
 @dataclass(frozen=True)

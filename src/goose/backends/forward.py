@@ -23,7 +23,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 from transformers import DynamicCache
 
-from .errors import GooseError
+from ..errors import GooseError
 from .kv_cache import cache_length, keep_path
 from .tree_tensors import additive_mask
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .tree import BRANCH, SPINE, DraftTree
+from ..drafting.tree import BRANCH, SPINE, DraftTree
 from .verify import WalkResult
 
 SOURCES = {"spine": SPINE, "branch": BRANCH}

@@ -39,7 +39,7 @@ from functools import lru_cache
 
 import torch
 
-from .tree import DraftTree
+from ..drafting.tree import DraftTree
 
 
 @lru_cache(maxsize=512)

@@ -9,9 +9,9 @@ nodes of the product of these probabilities along the node's path (independence 
 
 from __future__ import annotations
 
-from .config import AcceptanceConfig
-from .tree import SPINE, DraftTree
-from .verify import WalkResult
+from ..config import AcceptanceConfig
+from ..drafting.tree import SPINE, DraftTree
+from ..engine.verify import WalkResult
 
 CONSENSUS, LONG, SHORT = 0, 1, 2
 _SPINE_DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # depth buckets: <=1, <=2, ..., >32

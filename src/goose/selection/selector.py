@@ -11,7 +11,7 @@ request's subtree at once, maximising the step's expected committed tokens per m
 
 from __future__ import annotations
 
-from .tree import DraftTree
+from ..drafting.tree import DraftTree
 
 
 def path_probs(tree: DraftTree, q: list[float]) -> list[float]:

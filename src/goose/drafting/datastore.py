@@ -29,9 +29,9 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from . import cachefs
-from .errors import GooseError
-from .paths import cache_root
+from .. import cachefs
+from ..errors import GooseError
+from ..paths import cache_root
 
 SEP = -1  # document separator in tokens.npy (never a token id)
 FORMAT = 1
@@ -292,7 +292,7 @@ def corpus(source: str, max_docs: int | None = None) -> Iterator[str]:
     'python-stdlib' (each .py file of the running interpreter's standard library) or a folder / file path
     (each text file with a suffix in CODE_SUFFIXES)."""
     if source == "sharegpt":
-        from .bench.datasets import sharegpt_items
+        from ..bench.datasets import sharegpt_items
 
         gen = ("\n\n".join(str(t.get("value", "")) for t in item.get("conversations") or [])
                for item in sharegpt_items())

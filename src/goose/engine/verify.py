@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .tree import DraftTree
+from ..drafting.tree import DraftTree
 
 
 @dataclass(frozen=True)

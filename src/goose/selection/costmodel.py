@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import cachefs
-from .paths import cache_root
-from .tree import BRANCH, DraftTree
-from .tree_tensors import ancestor_mask, tree_depths
+from .. import cachefs
+from ..backends.tree_tensors import ancestor_mask, tree_depths
+from ..drafting.tree import BRANCH, DraftTree
+from ..paths import cache_root
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 REPEATS = 5  # timed passes over the grid (after one warm-up pass); the median of each size is kept
@@ -95,7 +95,7 @@ def kernels_digest() -> str:
     if not _kernels_digest:
         h = hashlib.sha1()
         for name in _KERNEL_SOURCES:
-            path = Path(__file__).with_name(name)
+            path = Path(__file__).parents[1] / "backends" / name
             h.update(path.read_bytes() if path.exists() else b"")
         _kernels_digest.append(h.hexdigest()[:12])
     return _kernels_digest[0]
@@ -131,7 +131,7 @@ def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int 
     """Median ms per forward of `sequences` trees of `n` nodes in all (split as evenly as possible), each on
     top of its own cache of `cache_len` tokens, for each size n >= sequences of `sizes`; made non-decreasing
     in the size (`monotone`). The caches are the measurement's own (`forward.new_cache()`)."""
-    from .lean import Segment
+    from ..backends.lean import Segment
 
     sizes = tuple(n for n in sizes if n >= sequences)
     caches = [forward.new_cache() for _ in range(sequences)]

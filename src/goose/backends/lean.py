@@ -52,9 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import GooseError
 from . import cpukernel
 from .cpukernel import CpuKernels
-from .errors import GooseError
 from .forward import active_sliding_window, weights_fingerprint
 from .quant import QuantEmbedding, QuantLinear, QuantWeight
 from .quant import cat as _cat_quant
@@ -154,7 +154,7 @@ class _Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, gemv: bool,
                  kernel: CpuKernels | None = None) -> None:
-        if isinstance(weight, QuantWeight):  # GGUF blocks (`goose.quant`): its own kernel, the same call shape
+        if isinstance(weight, QuantWeight):  # GGUF blocks (`goose.backends.quant`): its own kernel, the same call shape
             self.kernel, self.packed, self.out = weight.kernels, weight, weight.n
             self.bias = CpuKernels.pack_bias(bias, self.out)
             self.weight = self.wt = None
@@ -285,7 +285,7 @@ class LeanForward:
             "+gemv" if self.gemv else "") + ("+attention" if self.attn_kernel is not None else "")
         quantized = sorted({lin.packed.fmt for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)
                             if isinstance(lin.packed, QuantWeight)})
-        if quantized:  # GGUF blocks on goose's quantized kernels (`goose.quant`)
+        if quantized:  # GGUF blocks on goose's quantized kernels (`goose.backends.quant`)
             self.backend += f"+gguf-{'-'.join(quantized)}-{self.layers[0].qkv.kernel.variant}"
         self.cache = self.new_cache()  # the cache of the single-sequence API (reset / __call__ / keep)
 

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from .config import DecodeConfig, GooseConfig
-from .decoding import Decoder, id_set
-from .errors import GooseError
-from .sampling import Chooser
+from ..config import DecodeConfig, GooseConfig
+from ..decoding import Decoder, id_set
+from ..engine.sampling import Chooser
+from ..errors import GooseError
 
-HUB_ENTRY = str(Path(__file__).parent / "hub")
+HUB_ENTRY = str(Path(__file__).parents[1] / "hub")
 
 _DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

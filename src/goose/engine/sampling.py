@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .config import DecodeConfig
-from .tree import DraftTree
+from ..config import DecodeConfig
+from ..drafting.tree import DraftTree
 from .verify import WalkResult, greedy_walk, walk
 
 

@@ -22,7 +22,7 @@ import random
 from collections import OrderedDict
 from typing import Sequence
 
-from .config import LookaheadConfig
+from ..config import LookaheadConfig
 from .tree import DraftTree
 
 

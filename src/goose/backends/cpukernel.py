@@ -13,7 +13,7 @@ F/BW/VL + AVX2 + FMA: the linear layer on 16-lane registers, tiles of up to 12 r
 ``avx2`` (AVX2 + FMA: 8-lane registers, tiles of up to 6 rows x 16 columns); attention and top-k are the
 same 8-lane code in both. Both give bit-identical results (same packed layout, same FMA chain per output);
 ``GOOSE_KERNEL_VARIANT=avx2`` picks a lower variant (for comparisons; the quantized kernels of
-`goose.quant` follow it too).
+`goose.backends.quant` follow it too).
 
 Each variant is compiled once per machine with the system C++ compiler into
 ``$XDG_CACHE_HOME/goose/kernels/`` (~2 s; the file name carries a hash of the source, the flags and the
@@ -41,12 +41,12 @@ from pathlib import Path
 
 import torch
 
-from . import cachefs
-from .paths import cache_root
+from .. import cachefs
+from ..paths import cache_root
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 BASE_FLAGS = ["-std=c++17", "-O3", "-fopenmp", "-shared", "-fPIC"]
-# name -> (compiler flags, CPU flags it needs); ORDER is the fallback order (shared with goose.quant)
+# name -> (compiler flags, CPU flags it needs); ORDER is the fallback order (shared with goose.backends.quant)
 VARIANTS = {
     "avx512": (["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl"],
                {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}),

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from typing import Iterable
 
+from ..config import IsotropicConfig, TRConfig
 from .adjacency import AdjacencyTable
-from .config import IsotropicConfig, TRConfig
 from .tree import BRANCH, SPINE, DraftTree
 
 

@@ -13,8 +13,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import cpukernel
-from .config import AdjacencyConfig
+from ..backends import cpukernel
+from ..config import AdjacencyConfig
 
 Successors = tuple[list[int], list[float]]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from ..config import GooseConfig, SpineTreeConfig
 from .adjacency import AdjacencyTable
-from .config import GooseConfig, SpineTreeConfig
 from .tree import BRANCH, SPINE, DraftTree
 
 
