@@ -300,3 +300,38 @@ def test_rope_scaling_variant_matches_hf():
     model = tiny_llama(layers=2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
     script = call_script(6, steps=6)
     assert_same(play(LeanForward(model), script), play(HFForward(model), script), atol=1e-9)
+
+
+def test_cache_sized_once_for_the_expected_length():
+    """`expect` sizes the first allocation (rounded up to 64) so a long prompt is not copied on the way up;
+    past it the cache still grows, keeping what it holds."""
+    from goose.lean import INITIAL_CAPACITY, LeanCache
+
+    plain = LeanCache(2, 1, 8, torch.float32, torch.device("cpu"))
+    plain.reset()
+    assert plain.kv.shape[3] == INITIAL_CAPACITY
+    c = LeanCache(2, 1, 8, torch.float32, torch.device("cpu"))
+    c.expect(1000)
+    c.reset()
+    assert c.kv.shape[3] == 1024
+    c.reserve(900)
+    assert c.kv.shape[3] == 1024
+    with torch.inference_mode():
+        c.kv[:, :, :, :900] = 1.0
+        c.appended(0, 900)
+        c.reserve(1100)  # beyond the expectation: doubles, keeping the entries
+    assert c.kv.shape[3] == 2048 and bool((c.kv[:, :, :, :900] == 1.0).all())
+
+
+def test_decoder_sizes_each_request_cache_for_prompt_and_max_new_tokens(monkeypatch):
+    from goose.engine import step as step_mod
+    from goose.lean import LeanCache
+
+    seen = []
+    orig = LeanCache.expect
+    monkeypatch.setattr(LeanCache, "expect", lambda self, total: (seen.append(total), orig(self, total))[1])
+    model = tiny_llama(torch.float32, seed=3)
+    prompt = [5, 6, 7, 8, 9]
+    out = Decoder(model, method="ar", forward=LeanForward(model)).generate(prompt, max_new_tokens=7).token_ids
+    assert seen == [len(prompt) + 7 + step_mod.TREE_ROOM]
+    assert out == hf_greedy(model, prompt, 7)

@@ -452,12 +452,21 @@ class LeanCache:
         self.kv = None  # [layers, 2, K, capacity, D]
         self._len = 0  # filled cache entries
         self._prefix = 0  # cache length before the last call
+        self._expected = 0  # entries the sequence is expected to need (`expect`)
+
+    def expect(self, total: int) -> None:
+        """The sequence will need about `total` entries (prompt + max_new_tokens + a step's tree): the cache is
+        then allocated once with that capacity (rounded up to 64) instead of growing by doubling, which copies
+        the cache and briefly holds both copies (a 1,000-token prompt: 512 -> 1024 -> 2048 slots). Pages of
+        the allocation that are never written are never resident. Growth past it still doubles."""
+        self._expected = -(-max(int(total), 1) // 64) * 64
 
     @torch.inference_mode()
     def reset(self) -> None:
         if self.kv is None:
             L, two, K, D = self.shape
-            self.kv = torch.empty(L, two, K, INITIAL_CAPACITY, D, dtype=self.dtype, device=self.device)
+            cap = self._expected or INITIAL_CAPACITY
+            self.kv = torch.empty(L, two, K, cap, D, dtype=self.dtype, device=self.device)
         self._len = 0
         self._prefix = 0
 
@@ -469,6 +478,8 @@ class LeanCache:
         cap = self.kv.shape[3]
         if total <= cap:
             return
+        if self._expected >= total:
+            cap = self._expected
         while cap < total:
             cap *= 2
         kv = self.kv.new_empty(*self.kv.shape[:3], cap, self.kv.shape[4])  # [L, 2, K, cap, D]

@@ -80,6 +80,9 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 constexpr int kTile = 8;      // rows per register tile (2 panels x 8 rows = 16 accumulators of 32; 8 rows
                               // read each unpacked group 1.25x as often as 6 did: ~100 GFMA/s, not ~90)
 constexpr int kPairRows = 8;  // tiles of up to this many rows run over two panels at once
+constexpr int kQuadRows = 2;  // calls of up to this many rows take work items of four panels: a 1-row call
+                              // is bound by the latency of its FMA chains (one per 16 columns, K long), so
+                              // four panels at once keep four chains per row in flight instead of two
 struct V {
   __m512 v;
 };
@@ -109,6 +112,7 @@ inline V vi8(const uint8_t* p) {
 #else
 constexpr int kTile = 4;
 constexpr int kPairRows = 2;
+constexpr int kQuadRows = 0;  // (four panels of two ymm each would not fit the 16 registers)
 struct V {
   __m256 a, b;
 };
@@ -189,13 +193,13 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const uint8_t* const* w
   V acc[R][P];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int p = 0; p < P; ++p) acc[r][p] = vzero();
   const int64_t groups = K / G;
   for (int64_t g = 0; g < groups; ++g) {
     V s[P], o[P];
     const uint8_t* q[P];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       const uint8_t* h = w[p] + g * GB;
       if constexpr (Prefetch) {
@@ -208,7 +212,7 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const uint8_t* const* w
     if constexpr (nibbles(F)) {
       for (int j = 0; j < G / 2; ++j) {
         V lo[P], hi[P];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int p = 0; p < P; ++p) {
           if constexpr (F == kQ4_0) {
             vnibbles(q[p] + 16 * j, 8, lo[p], hi[p]);
@@ -223,20 +227,20 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const uint8_t* const* w
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const V xv = vset(xg[r * ldx + 2 * j]);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
           for (int p = 0; p < P; ++p) acc[r][p] = vfma(xv, lo[p], acc[r][p]);
         }
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const V xv = vset(xg[r * ldx + 2 * j + 1]);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
           for (int p = 0; p < P; ++p) acc[r][p] = vfma(xv, hi[p], acc[r][p]);
         }
       }
     } else {
       for (int j = 0; j < G; ++j) {
         V wv[P];
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int p = 0; p < P; ++p) {
           if constexpr (F == kQ8_0)
             wv[p] = vmul(vi8(q[p] + 16 * j), s[p]);
@@ -246,7 +250,7 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const uint8_t* const* w
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           const V xv = vset(xg[r * ldx + j]);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
           for (int p = 0; p < P; ++p) acc[r][p] = vfma(xv, wv[p], acc[r][p]);
         }
       }
@@ -254,7 +258,7 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const uint8_t* const* w
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
     for (int p = 0; p < P; ++p) store(y + r * ldy + p * kCols, acc[r][p], cols[p], bias[p], accumulate);
 }
 
@@ -294,9 +298,52 @@ void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps,
   }
 }
 
+// 1 or 2 rows times np (1..4) panels.
+template <int F, bool Prefetch>
+inline void few_rows(int r, int np, const float* x, int64_t K, const uint8_t* const* w, float* y, int64_t N,
+                     const int* cols, const float* const* b, bool acc) {
+#define GOOSE_FEW(P)                                                                     \
+  (r == 2 ? tile<F, 2, P, Prefetch>(x, K, K, w, y, N, cols, b, acc)                       \
+          : tile<F, 1, P, Prefetch>(x, K, K, w, y, N, cols, b, acc))
+  switch (np) {
+    case 4: GOOSE_FEW(4); break;
+    case 3: GOOSE_FEW(3); break;
+    case 2: GOOSE_FEW(2); break;
+    default: GOOSE_FEW(1); break;
+  }
+#undef GOOSE_FEW
+}
+
+// Calls of up to kQuadRows rows: work items of four adjacent panels (fewer for the last), every row over
+// all of them at once.
+template <int F>
+void linear_few(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
+                bool acc) {
+  const int64_t panels = (N + kCols - 1) / kCols;
+  const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < (panels + 3) / 4; ++item) {
+    const int64_t p0 = 4 * item, np = panels - p0 < 4 ? panels - p0 : 4;
+    const uint8_t* w[4];
+    int cols[4];
+    const float* b[4];
+    for (int t = 0; t < 4; ++t) {
+      const int64_t p = p0 + (t < np ? t : 0);
+      w[t] = packed + p * pbytes;
+      cols[t] = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
+      b[t] = bias ? bias + p * kCols : nullptr;
+    }
+    few_rows<F, true>(static_cast<int>(M), static_cast<int>(np), x, K, w, y + p0 * kCols, N, cols, b, acc);
+  }
+}
+
 template <int F>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
             bool acc) {
+  if (M <= kQuadRows) {
+    if constexpr (kQuadRows > 0) linear_few<F>(x, M, K, packed, N, bias, y, acc);
+    return;
+  }
   const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
 #pragma omp parallel for schedule(static)

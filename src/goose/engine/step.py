@@ -37,6 +37,7 @@ from .sampling import Chooser
 from .stats import Stats
 
 PREFILL, DECODE, DONE = "prefill", "decode", "done"
+TREE_ROOM = 160  # cache entries reserved beyond prompt + max_new_tokens for a step's tree (more still fit: the cache grows)
 
 
 @dataclass(eq=False)
@@ -80,8 +81,13 @@ class Slot:
         self.stage_ms = self.stats.stage_ms
 
     def begin(self) -> None:
-        """Start decoding: a fresh cache and the method's per-request state."""
+        """Start decoding: a fresh cache (sized for the whole request where the cache can be) and the method's
+        per-request state."""
         self.t0 = time.perf_counter()
+        expect = getattr(self.cache, "expect", None)
+        if expect is not None:
+            total = len(self.prompt) + self.cfg.max_new_tokens + TREE_ROOM
+            expect(total if self.limit is None else min(total, self.limit + TREE_ROOM))
         self.cache.reset()
         self.method.start()
 
