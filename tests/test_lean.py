@@ -305,7 +305,7 @@ def test_rope_scaling_variant_matches_hf():
 def test_cache_sized_once_for_the_expected_length():
     """`expect` sizes the first allocation (rounded up to 64) so a long prompt is not copied on the way up;
     past it the cache still grows, keeping what it holds."""
-    from goose.lean import INITIAL_CAPACITY, LeanCache
+    from goose.backends.lean import INITIAL_CAPACITY, LeanCache
 
     plain = LeanCache(2, 1, 8, torch.float32, torch.device("cpu"))
     plain.reset()
@@ -325,7 +325,7 @@ def test_cache_sized_once_for_the_expected_length():
 
 def test_decoder_sizes_each_request_cache_for_prompt_and_max_new_tokens(monkeypatch):
     from goose.engine import step as step_mod
-    from goose.lean import LeanCache
+    from goose.backends.lean import LeanCache
 
     seen = []
     orig = LeanCache.expect
