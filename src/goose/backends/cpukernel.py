@@ -30,6 +30,7 @@ kernels; results are the same up to float32 rounding.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import math
 import operator
@@ -61,7 +62,13 @@ ENV_VARIANT = "GOOSE_KERNEL_VARIANT"
 _state: dict[str, object] = {}
 
 
-def _cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (read once per process)."""
+    return frozenset(_read_cpu_flags())
+
+
+def _read_cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
