@@ -303,13 +303,18 @@ def test_rope_scaling_variant_matches_hf():
 
 
 def test_cache_sized_once_for_the_expected_length():
-    """`expect` sizes the first allocation (rounded up to 64) so a long prompt is not copied on the way up;
-    past it the cache still grows, keeping what it holds."""
+    """`expect` sizes the first allocation (the power of two doubling would reach) so a long prompt is not
+    copied on the way up; short ones keep the initial size; past it the cache still grows, keeping what it
+    holds."""
     from goose.backends.lean import INITIAL_CAPACITY, LeanCache
 
     plain = LeanCache(2, 1, 8, torch.float32, torch.device("cpu"))
     plain.reset()
     assert plain.kv.shape[3] == INITIAL_CAPACITY
+    short = LeanCache(2, 1, 8, torch.float32, torch.device("cpu"))
+    short.expect(100)
+    short.reset()
+    assert short.kv.shape[3] == INITIAL_CAPACITY
     c = LeanCache(2, 1, 8, torch.float32, torch.device("cpu"))
     c.expect(1000)
     c.reset()
