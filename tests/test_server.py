@@ -436,3 +436,21 @@ def test_bench_serve_talks_to_loopback_only(capsys):
 
     assert main(["bench-serve", "--url", "http://example.com/v1"]) == 2
     assert "loopback" in capsys.readouterr().err
+
+
+def test_malloc_is_tuned_unless_the_environment_says(monkeypatch):
+    """`goose serve` sets glibc's arenas and mmap threshold before its threads start; explicit MALLOC_*
+    settings in the environment win."""
+    import platform
+
+    from goose.server.app import tune_malloc
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert tune_malloc() is False
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert tune_malloc() is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert tune_malloc() is True

@@ -11,8 +11,10 @@ that goes away cancels its request (its slot is freed at the next step boundary)
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -446,6 +448,28 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+MALLOC_ARENAS = 2  # glibc malloc arenas of the server process (see tune_malloc)
+MMAP_THRESHOLD = 8 << 20  # allocations of this many bytes or more get pages of their own (see tune_malloc)
+
+
+def tune_malloc(arenas: int = MALLOC_ARENAS, mmap_threshold: int = MMAP_THRESHOLD) -> bool:
+    """Set glibc's malloc for a long-running server, before its threads start: at most `arenas` arenas
+    (``M_ARENA_MAX``; glibc gives each allocating thread an arena of its own, up to 8 per core, and keeps what
+    they once held) and a fixed mmap threshold (``M_MMAP_THRESHOLD``: blocks of `mmap_threshold` bytes or more,
+    such as every request's KV cache, are mapped on their own and go back to the system when freed; glibc's
+    default threshold rises to the largest block freed so far, after which freed caches stay in the heap).
+    A fresh server's resident memory otherwise grew by half over its first 500 requests (the caches of 8
+    concurrent requests, kept) before levelling off. An explicit ``MALLOC_ARENA_MAX`` or
+    ``MALLOC_MMAP_THRESHOLD_`` in the environment wins. Returns True when both were set."""
+    if os.environ.get("MALLOC_ARENA_MAX") or os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-8, int(arenas))) and bool(libc.mallopt(-3, int(mmap_threshold)))  # M_ARENA_MAX, M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False  # not glibc
+
+
 def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
           max_queue: int = 64, api_key: str | None = None, dtype: str = "float32", device: str = "cpu",
           served_name: str | None = None, drain_timeout: float = 30.0, max_body_bytes: int = 1 << 20,
@@ -457,6 +481,7 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
     from ..engine.scheduler import Engine
     from ..loading.model import load_model
 
+    tune_malloc()
     net, tok = load_model(model, dtype, device, weights=weights)
     engine = Engine(net, tok, method, max_batch=max_batch, max_queue=max_queue)
     app = create_app(engine, served_name or Path(model).name, api_key=api_key, max_body_bytes=max_body_bytes,
