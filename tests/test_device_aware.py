@@ -6,6 +6,7 @@ import itertools
 import json
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -230,6 +231,15 @@ def test_candidates_skip_the_tree_below_min_prob(tiny_model):
     skipped = m.candidates(7, 6, None, min_prob=1.0)  # no node can reach probability 1 (max_prob < 1)
     assert len(skipped.tree) == 1 and skipped.tree.route == "ar"
     assert len(m.candidates(7, 6, None, min_prob=1e-6).tree) == len(full.tree)
+    # a step whose tree was skipped is not harvested (it costs what an `ar` step costs); the next one is
+    logits = torch.zeros(1, tiny_model.config.vocab_size)
+    logits[0, 3] = 5.0
+    m.candidates(7, 6, None, min_prob=1.0)
+    m.harvest([7], [6], logits)
+    assert m.adj.successors(7, 6) is None or m.adj.successors(7, 6)[0][0] != 3
+    m.candidates(7, 6, None, min_prob=1e-6)
+    m.harvest([7], [6], logits)
+    assert m.adj.successors(7, 6)[0][0] == 3
     # the threshold: tokens per ms of a plain step times a row's marginal cost, 0 without a curve
     cost = BatchCostCurve.single(CostCurve((1, 4, 16), (10.0, 12.0, 20.0)))
     assert _worth(None, 1, 1, 1.0) == 0.0

@@ -185,6 +185,7 @@ class DeviceAwareGoose(GoosePaper):
         self.acc = AcceptanceModel(cfg.device_aware.acceptance)
         self.prefill_harvest = cfg.device_aware.prefill_harvest
         self._kind = SHORT
+        self._idle = False  # the last `candidates` call built no tree because no draft could pay (see harvest)
         self._set_cost(cost)
 
     def _set_cost(self, cost: CostCurve | None) -> None:
@@ -200,6 +201,7 @@ class DeviceAwareGoose(GoosePaper):
 
     def begin(self, tokens: list[int]) -> None:
         super().begin(tokens)
+        self._idle = False
         if not self.cfg.device_aware.carry_over:
             self.acc.reset()
 
@@ -210,12 +212,11 @@ class DeviceAwareGoose(GoosePaper):
         child of the root can be accepted with probability `min_prob` or more, the tree is not built (a
         plain step: the caller's estimate of what a node must bring to pay for its row)."""
         first = self.index.propose()
-        prop = self.index.propose_extended(self.cfg.ngram, first)
         self._kind = match_kind(first.consensus, len(first.chain))
-        if min_prob > 0 and self.acc.best_child(self._kind, bool(prop.chain)) < min_prob:
-            root = DraftTree.root(anchor)
-            root.route = "ar"
-            return Candidates(root, [1.0])
+        self._idle = min_prob > 0 and self.acc.best_child(self._kind, bool(first.chain)) < min_prob
+        if self._idle:  # (an extended chain is empty exactly when `first`'s is)
+            return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
+        prop = self.index.propose_extended(self.cfg.ngram, first)
         cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg)
         if max_depth is not None:
             cand = cand.within_depth(max_depth)
@@ -227,6 +228,16 @@ class DeviceAwareGoose(GoosePaper):
 
     def draft(self, anchor: int, prev: int | None) -> DraftTree:
         return allocate([self.candidates(anchor, prev)], cost=self.cost_table)[0]
+
+    def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
+        """As every adjacency method, except after a step whose candidates were not built because no draft
+        could pay for its row (`candidates` with `min_prob`, under load): that step's one row is not
+        harvested either, so a request that cannot speculate costs what an `ar` request costs. Its table
+        misses that position's successors; drafts only, never outputs, depend on it."""
+        if self._idle:
+            self._idle = False
+            return
+        super().harvest(tokens, prevs, logits)
 
     def observe(self, tree: DraftTree, walk: WalkResult) -> None:
         super().observe(tree, walk)
