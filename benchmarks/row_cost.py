@@ -15,25 +15,17 @@ import time
 
 import torch
 
-from goose.backends.lean import LeanForward, Segment
-from goose.backends.tree_tensors import ancestor_mask, tree_depths
+from goose.backends.lean import LeanForward
 from goose.bench.concurrency import cpu_name
 from goose.loading.model import load_model
-from goose.selection.costmodel import _bushy_tree
+from goose.selection.costmodel import bushy_tree, prefilled_caches, tree_segment
 
 LAYOUTS = ((1, 1, 1, 1), (3, 1, 1, 1), (5, 1, 1, 1), (2, 2, 2, 2), (1,) * 8, (4,) + (1,) * 7, (2,) * 8)
 
 
 def timed(forward, vocab: int, context: int, rows: tuple[int, ...], repeats: int) -> float:
-    caches = [forward.new_cache() for _ in rows]
-    for i, c in enumerate(caches):
-        c.expect(context + 64)
-        c.reset()
-        forward.run([Segment(c, [(j * 7919 + i) % vocab for j in range(context)], keep_last=1)])
-    segments = []
-    for c, n in zip(caches, rows):
-        t = _bushy_tree(n, vocab)
-        segments.append(Segment(c, t.tokens, *((tree_depths(t), ancestor_mask(t)) if n > 1 else ())))
+    caches = prefilled_caches(forward, vocab, len(rows), context)
+    segments = [tree_segment(c, bushy_tree(n, vocab)) for c, n in zip(caches, rows)]
     samples = []
     for rep in range(repeats + 2):  # two warm-up calls
         t0 = time.perf_counter()

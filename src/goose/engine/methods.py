@@ -199,9 +199,12 @@ class DeviceAwareGoose(GoosePaper):
         if self.cost is None:
             self._set_cost(load_or_measure(model, forward))
 
+    def start(self) -> None:
+        super().start()
+        self._idle = False  # before the prefill, whose chunks are harvested
+
     def begin(self, tokens: list[int]) -> None:
         super().begin(tokens)
-        self._idle = False
         if not self.cfg.device_aware.carry_over:
             self.acc.reset()
 

@@ -113,7 +113,7 @@ def curve_key(model, forward) -> str:
     return f"{parts[0]}-{digest}"
 
 
-def _bushy_tree(n: int, vocab: int) -> DraftTree:
+def bushy_tree(n: int, vocab: int) -> DraftTree:
     """A tree of n nodes with a realistic mix of depth and width (a chain with side branches)."""
     tree = DraftTree.root(1 % vocab)
     tok = 2
@@ -125,22 +125,35 @@ def _bushy_tree(n: int, vocab: int) -> DraftTree:
     return tree
 
 
+def prefilled_caches(forward, vocab: int, count: int, cache_len: int) -> list:
+    """`count` caches of the forward's own (`forward.new_cache()`), each prefilled with `cache_len` tokens of
+    its own: the prefixes a cost measurement times trees on."""
+    from ..backends.lean import Segment
+
+    caches = [forward.new_cache() for _ in range(count)]
+    for i, c in enumerate(caches):
+        c.reset()
+        forward.run([Segment(c, [(j * 7919 + i) % vocab for j in range(cache_len)], keep_last=1)])
+    return caches
+
+
+def tree_segment(cache, tree: DraftTree):
+    """The forward's segment verifying `tree` on `cache` (no mask for a single node)."""
+    from ..backends.lean import Segment
+
+    return Segment(cache, tree.tokens, *((tree_depths(tree), ancestor_mask(tree)) if len(tree) > 1 else ()))
+
+
 @torch.inference_mode()
 def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int = REPEATS,
             sequences: int = 1) -> CostCurve:
     """Median ms per forward of `sequences` trees of `n` nodes in all (split as evenly as possible), each on
     top of its own cache of `cache_len` tokens, for each size n >= sequences of `sizes`; made non-decreasing
     in the size (`monotone`). The caches are the measurement's own (`forward.new_cache()`)."""
-    from ..backends.lean import Segment
-
     sizes = tuple(n for n in sizes if n >= sequences)
-    caches = [forward.new_cache() for _ in range(sequences)]
-    for i, c in enumerate(caches):
-        c.reset()
-        forward.run([Segment(c, [(j * 7919 + i) % vocab for j in range(cache_len)], keep_last=1)])
-    trees = {(n, i): _bushy_tree(n // sequences + (i < n % sequences), vocab) for n in sizes for i in range(sequences)}
-    segments = {n: [Segment(c, t.tokens, *((tree_depths(t), ancestor_mask(t)) if len(t) > 1 else ()))
-                    for i, c in enumerate(caches) for t in [trees[n, i]]] for n in sizes}
+    caches = prefilled_caches(forward, vocab, sequences, cache_len)
+    trees = {(n, i): bushy_tree(n // sequences + (i < n % sequences), vocab) for n in sizes for i in range(sequences)}
+    segments = {n: [tree_segment(c, trees[n, i]) for i, c in enumerate(caches)] for n in sizes}
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(repeats + 1):  # the first pass warms up and is discarded
         for n in sizes:
