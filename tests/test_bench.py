@@ -245,6 +245,25 @@ def test_run_dir_of_another_model_is_refused(run_dir):
     assert store.read_meta(run_dir)["model"] == "tiny"  # nothing changed
 
 
+def test_reopening_a_run_removes_what_a_killed_run_was_writing(tmp_path):
+    """A run killed while writing a plot (or summary, or answers file) leaves a temporary; the next run of the
+    same directory removes it (its writer is gone) and keeps a live writer's."""
+    from goose import cachefs
+
+    out = tmp_path / "run"
+    meta = {"model": "m", "dtype": "float32", "max_new_tokens": 4, "chat": False}
+    store.open_run(out, meta)
+    store.answers_dir(out).mkdir()
+    dead = 2**22 + 12345  # above any pid this machine hands out (pid_max is at most 2^22)
+    left = [out / f".speedup_by_category.png{cachefs.TMP_TAG}{dead}-00c0ffee",
+            store.answers_dir(out) / f".ar.jsonl{cachefs.TMP_TAG}{dead}-00c0ffee"]
+    live = cachefs.temp_path(out / "summary.json")  # this process's own, being written
+    for p in left + [live]:
+        p.write_bytes(b"partial")
+    store.open_run(out, meta)
+    assert not any(p.exists() for p in left) and live.exists()
+
+
 def test_torn_last_line_is_repaired_and_bad_line_named(tmp_path):
     out = tmp_path / "torn"
     store.open_run(out, {"model": "m", "dtype": "float32", "max_new_tokens": 4, "chat": False})

@@ -146,6 +146,8 @@ def open_run(out: Path, meta: dict) -> dict:
         if commits != [old.get("git_commit")]:
             meta["git_commits"] = commits
     out.mkdir(parents=True, exist_ok=True)
+    for folder in (out, answers_dir(out)):  # temporaries of a killed run (a plot, summary, answers being written)
+        cachefs.clean_stale(folder)
     for p in answers_dir(out).glob("*.jsonl"):
         read_answers(p, repair=True)
     cachefs.write_text(out / "run.json", json.dumps(meta, indent=2) + "\n")  # atomic: a kill leaves old or new
