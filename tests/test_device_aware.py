@@ -30,6 +30,9 @@ def test_cost_curve_interpolates_and_extrapolates():
     assert c.table(3) == [0.0, 10.0, 16.0, pytest.approx(17.0)]
     assert c.break_even(2) == pytest.approx(0.6)
     assert CostCurve.from_json(json.loads(json.dumps(c.to_json()))) == c
+    priced = CostCurve((1, 2), (10.0, 16.0), context_ms=0.003, cache_len=300)
+    assert CostCurve.from_json(json.loads(json.dumps(priced.to_json()))) == priced
+    assert CostCurve.from_json({"sizes": [1], "ms": [5.0]}) == CostCurve((1,), (5.0,), 0.0, 256)
     with pytest.raises(ValueError):
         CostCurve((2, 1), (1.0, 2.0))
 
@@ -60,6 +63,8 @@ def test_measure_and_cache(tmp_path, monkeypatch):
     curve = measure(fwd, 96, sizes=(1, 2, 4), cache_len=16, repeats=1)
     assert curve.sizes == (1, 2, 4) and all(ms > 0 for ms in curve.ms)
     assert list(curve.ms) == sorted(curve.ms)  # made non-decreasing
+    assert curve.cache_len == 16 and curve.context_ms >= 0.0  # the cached context is priced too
+    assert measure(fwd, 96, sizes=(2, 4), cache_len=16, repeats=1, sequences=2).context_ms == 0.0  # once, at 1
     assert fwd.length == 0  # measuring leaves no state behind
     path = tmp_path / "curve.json"
     monkeypatch.setattr(costmodel, "measure", lambda *a, **k: curve)

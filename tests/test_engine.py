@@ -129,9 +129,10 @@ def _subtrees(tree):
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10**6), n_req=st.integers(1, 3), fixed=st.integers(0, 4),
-       shape=st.sampled_from(["flat", "knee", "steep", "linear"]))
-def test_allocation_is_the_best_set_of_subtrees(seed, n_req, fixed, shape):
-    """No combination of rooted subtrees (one per request) commits more expected tokens per millisecond."""
+       shape=st.sampled_from(["flat", "knee", "steep", "linear"]), context=st.sampled_from([0.0, 100.0, 1500.0]))
+def test_allocation_is_the_best_set_of_subtrees(seed, n_req, fixed, shape, context):
+    """No combination of rooted subtrees (one per request) commits more expected tokens per millisecond, with
+    rows priced at the sequences' cached context too."""
     rng = random.Random(seed)
     cands = []
     for _ in range(n_req):
@@ -139,20 +140,33 @@ def test_allocation_is_the_best_set_of_subtrees(seed, n_req, fixed, shape):
         q = [1.0] + [rng.uniform(0.01, 0.98) for _ in range(len(tree) - 1)]
         cands.append(Candidates(tree, q))
     ms = {"flat": [10] * 3, "knee": [10, 11, 30], "steep": [10, 25, 90], "linear": [10, 20, 40]}[shape]
-    two = CostCurve((1, 4, 24), tuple(float(m) for m in ms))
+    two = CostCurve((1, 4, 24), tuple(float(m) for m in ms), context_ms=0.004, cache_len=256)
     cost = BatchCostCurve(((1, two), (4, CostCurve((4, 24), (two(4) * 1.3, two(24) * 1.3)))))
     seqs = n_req + 1
-    counts = allocate_counts(cands, fixed, 0.5, cost, seqs)
+    counts = allocate_counts(cands, fixed, 0.5, cost, seqs, context)
 
     def rate(sizes_and_values):
         n = fixed + sum(k for k, _ in sizes_and_values)
-        return (0.5 + sum(v for _, v in sizes_and_values)) / cost(seqs, n)
+        return (0.5 + sum(v for _, v in sizes_and_values)) / cost(seqs, n, context)
 
     got = rate([(1 + k, 1 + c.expected(k)) for c, k in zip(cands, counts)])
     best = 0.0
     for combo in itertools.product(*[_subtrees(c.tree) for c in cands]):
         best = max(best, rate([(len(keep), 1 + sum(c.probs[i] for i in keep if i)) for keep, c in zip(combo, cands)]))
     assert got >= best * (1 - 1e-9)
+
+
+def test_allocation_speculates_less_at_longer_contexts():
+    """Rows that read a longer cached context cost more: the same candidates get fewer draft nodes."""
+    curve = CostCurve((1, 8, 16, 32, 64, 128), (10.0, 11.0, 13.0, 20.0, 40.0, 80.0), context_ms=0.002, cache_len=256)
+    cost = BatchCostCurve.single(curve)
+    assert cost.row_context_ms(100.0) == 0.0 and cost.row_context_ms(1256.0) == pytest.approx(2.0)
+    assert cost(1, 8, 1256.0) == pytest.approx(11.0 + 8 * 2.0)
+    tree = DraftTree.root(0)
+    tree.add_chain(0, list(range(1, 20)), SPINE)
+    cands = [Candidates(tree, [1.0] + [0.8] * 19) for _ in range(2)]
+    drafted = [sum(allocate_counts(cands, cost=cost, context=c)) for c in (0.0, 1256.0, 4256.0)]
+    assert drafted[0] > drafted[1] > drafted[2]
 
 
 def test_allocation_turns_speculation_down_as_the_batch_grows():

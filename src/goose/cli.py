@@ -99,6 +99,8 @@ def cmd_profile(args) -> int:
     print(f"{'tokens':>6} {'ms':>9} {'x cost(1)':>10} {'break-even accepted':>20}")
     for n, ms in zip(curve.sizes, curve.ms):
         print(f"{n:>6} {ms:>9.1f} {ms / curve.ms[0]:>10.2f} {curve.break_even(n):>20.2f}")
+    print(f"(on {curve.cache_len} cached tokens; each query row costs {curve.context_ms * 1e3:.2f} us more per "
+          f"further cached token)")
     if args.plot:
         import matplotlib
 

@@ -6,7 +6,8 @@ KV cache, generated tokens and statistics. `step(forward, slots, cost)` advances
   1. draft       decoding slots: the method's tree (or, for `goose`, its candidate tree and node
                  probabilities); prefilling slots: their next prompt chunk (all chunks of a step share
                  one token budget, so a long prompt stalls the others by at most one chunk)
-  2. select      the batch's best set of subtrees under the batched cost curve (`selector.allocate`)
+  2. select      the batch's best set of subtrees under the batched cost curve, rows priced at the
+                 sequences' mean cached context (`selector.allocate`)
   3. tensorize   ancestor mask and depths (cached per topology; none for chains)
   4. forward     one pass over every slot's tokens, each on its own cache (`forward.run`)
   5. verify      per slot: the longest path whose tokens the target picks, plus its next token
@@ -155,8 +156,9 @@ def _step(forward, slots: list[Slot], cost, budget: int | None) -> None:
                 break
             chunks[id(s)] = s.prompt[s.filled : s.filled + take]
             left -= take
+    context = _mean_context(decoding + [s for s in prefilling if id(s) in chunks])
     min_prob = _worth(cost, len(chunks) + len(decoding), sum(map(len, chunks.values())) + len(decoding),
-                      len(decoding))
+                      len(decoding), context)
     for s in decoding:
         anchor = s.out[-1]
         prev = s.out[-2] if len(s.out) > 1 else s.prompt[-1]
@@ -173,7 +175,7 @@ def _step(forward, slots: list[Slot], cost, budget: int | None) -> None:
     offered = [s for s in decoding if s._cands is not None]
     if offered:
         n_seq = len(chunks) + len(decoding)
-        picks = allocate([s._cands for s in offered], fixed, len(decoding) - len(offered), cost, n_seq)
+        picks = allocate([s._cands for s in offered], fixed, len(decoding) - len(offered), cost, n_seq, context)
         for s, tree in zip(offered, picks):
             s._tree = tree
     clock("select")
@@ -230,17 +232,23 @@ WORTH_ROWS = 4  # the marginal cost of a draft row: averaged over this many rows
 WORTH_MARGIN = 0.8  # a request's candidates are built when its best child may bring 80% of a row's price
 
 
-def _worth(cost, sequences: int, rows: int, value: float) -> float:
+def _worth(cost, sequences: int, rows: int, value: float, context: float = 0.0) -> float:
     """About the acceptance probability a draft node must reach to pay for its row in this step: the step's
     tokens per millisecond without drafts (`value` tokens for `rows` rows) times the marginal cost of a
-    row, times WORTH_MARGIN. Only speed depends on it (requests whose root children are all below it verify
-    a plain step without building a candidate tree); 0 without a cost curve."""
+    row (its share of the cached `context` included), times WORTH_MARGIN. Only speed depends on it (requests
+    whose root children are all below it verify a plain step without building a candidate tree); 0 without
+    a cost curve."""
     if cost is None or value <= 0 or rows < 1 or rows + WORTH_ROWS > cost.max_size:
         return 0.0
-    table = cost.table(sequences)
-    base = table[rows]
-    marginal = (table[rows + WORTH_ROWS] - base) / WORTH_ROWS
+    table, per_row = cost.table(sequences), cost.row_context_ms(context)
+    base = table[rows] + rows * per_row
+    marginal = (table[rows + WORTH_ROWS] - table[rows]) / WORTH_ROWS + per_row
     return WORTH_MARGIN * value * marginal / base if base > 0 else 0.0
+
+
+def _mean_context(slots: list[Slot]) -> float:
+    """Mean cached tokens of the sequences in this step's forward (what each query row's attention reads)."""
+    return sum(s.cache.length for s in slots) / len(slots) if slots else 0.0
 
 
 def _add(s: Slot, name: str, t: float) -> float:

@@ -28,13 +28,17 @@ GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 REPEATS = 5  # timed passes over the grid (after one warm-up pass); the median of each size is kept
 MAX_SPREAD = 1.5  # a measurement whose passes differ more (median over sizes) was disturbed: not cached
 MEASURE_TRIES = 2  # measurements tried before a disturbed one is used uncached
-PROTOCOL = 2  # bumped when the measurement changes, so cached curves are measured again
+CONTEXT_ROWS = 8  # rows of the tree timed on a short and a long cache to price a row's cached context
+CONTEXT_FACTOR = 2  # the long cache holds this many times `cache_len` tokens (4x measured the same beta here)
+PROTOCOL = 3  # bumped when the measurement changes, so cached curves are measured again
 
 
 @dataclass(frozen=True)
 class CostCurve:
     sizes: tuple[int, ...]  # query tokens per forward, ascending
     ms: tuple[float, ...]  # median milliseconds per forward at each size
+    context_ms: float = 0.0  # ms more per query row and cached token past `cache_len` (attention reads the prefix)
+    cache_len: int = 256  # cached tokens per sequence that `ms` was measured on
     spread: float = field(default=1.0, compare=False)  # median over sizes of 2nd slowest / 2nd fastest timed pass (1.0 when read from a file)
 
     def __post_init__(self) -> None:
@@ -46,7 +50,8 @@ class CostCurve:
         return self.sizes[-1]
 
     def __call__(self, n: float) -> float:
-        """Interpolated cost of an n-token forward (linear extrapolation past the last point)."""
+        """Interpolated cost of an n-token forward on caches of `cache_len` (linear extrapolation past the
+        last point)."""
         s, m = self.sizes, self.ms
         if n >= s[-1] and len(s) > 1:
             slope = (m[-1] - m[-2]) / (s[-1] - s[-2])
@@ -63,11 +68,13 @@ class CostCurve:
         return self(n) / self(1) - 1.0
 
     def to_json(self) -> dict:
-        return {"sizes": list(self.sizes), "ms": list(self.ms)}
+        return {"sizes": list(self.sizes), "ms": list(self.ms), "context_ms": self.context_ms,
+                "cache_len": self.cache_len}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostCurve":
-        return cls(tuple(int(x) for x in d["sizes"]), tuple(float(x) for x in d["ms"]))
+        return cls(tuple(int(x) for x in d["sizes"]), tuple(float(x) for x in d["ms"]),
+                   float(d.get("context_ms", 0.0)), int(d.get("cache_len", 256)))
 
 
 def monotone(ms: list[float]) -> list[float]:
@@ -149,7 +156,8 @@ def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int 
             sequences: int = 1) -> CostCurve:
     """Median ms per forward of `sequences` trees of `n` nodes in all (split as evenly as possible), each on
     top of its own cache of `cache_len` tokens, for each size n >= sequences of `sizes`; made non-decreasing
-    in the size (`monotone`). The caches are the measurement's own (`forward.new_cache()`)."""
+    in the size (`monotone`). The caches are the measurement's own (`forward.new_cache()`). For one sequence
+    it also prices the cached context (`context_cost`)."""
     sizes = tuple(n for n in sizes if n >= sequences)
     caches = prefilled_caches(forward, vocab, sequences, cache_len)
     trees = {(n, i): bushy_tree(n // sequences + (i < n % sequences), vocab) for n in sizes for i in range(sequences)}
@@ -165,7 +173,29 @@ def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int 
             if rep:
                 samples[n].append(dt)
     spread = statistics.median(_spread(v) for v in samples.values())
-    return CostCurve(sizes, tuple(monotone([statistics.median(samples[n]) for n in sizes])), spread)
+    context = context_cost(forward, vocab, cache_len, repeats) if sequences == 1 else 0.0
+    return CostCurve(sizes, tuple(monotone([statistics.median(samples[n]) for n in sizes])), context, cache_len,
+                     spread)
+
+
+def context_cost(forward, vocab: int, cache_len: int, repeats: int = REPEATS) -> float:
+    """ms per query row and cached token: a tree of CONTEXT_ROWS nodes timed on a cache of `cache_len` tokens
+    and on one of CONTEXT_FACTOR times as many (interleaved, after a warm-up call each), the difference of the
+    medians per row and extra token; never negative."""
+    caches = [prefilled_caches(forward, vocab, 1, n)[0] for n in (cache_len, CONTEXT_FACTOR * cache_len)]
+    tree = bushy_tree(CONTEXT_ROWS, vocab)
+    segments = [[tree_segment(c, tree)] for c in caches]
+    samples: list[list[float]] = [[], []]
+    for rep in range(repeats + 1):
+        for i, c in enumerate(caches):
+            t0 = time.perf_counter()
+            forward.run(segments[i])
+            dt = (time.perf_counter() - t0) * 1e3
+            c.keep([])
+            if rep:
+                samples[i].append(dt)
+    extra = statistics.median(samples[1]) - statistics.median(samples[0])
+    return max(0.0, extra / (CONTEXT_ROWS * (CONTEXT_FACTOR - 1) * cache_len))
 
 
 def _spread(samples: list[float]) -> float:
@@ -222,8 +252,10 @@ BATCH_SEQUENCES = (1, 2, 4, 8)  # sequence counts whose cost curves are measured
 @dataclass(frozen=True)
 class BatchCostCurve:
     """Cost of one forward over several sequences: ms as a function of the number of sequences and of their
-    query tokens in all. One `CostCurve` (over total tokens) per measured sequence count; between counts
-    the cost is interpolated linearly, past the last one extrapolated from the last two."""
+    query tokens in all, plus, past the cache length the curves were measured on, the cost of each query row's
+    cached context (the one-sequence curve's `context_ms` per row and token of the sequences' mean context).
+    One `CostCurve` (over total tokens) per measured sequence count; between counts the cost is interpolated
+    linearly, past the last one extrapolated from the last two."""
 
     curves: tuple[tuple[int, CostCurve], ...]  # (sequences, curve), ascending
     _tables: dict = field(default_factory=dict, compare=False, repr=False)  # sequences -> cost per size
@@ -233,14 +265,22 @@ class BatchCostCurve:
         return self.curves[-1][1].max_size
 
     def table(self, sequences: int) -> list[float]:
-        """``cost(sequences, n)`` for n = 0..max_size (index 0: 0.0), computed once per sequence count: the
-        step loop's lookups."""
+        """``cost(sequences, n)`` on caches of the measured length, for n = 0..max_size (index 0: 0.0),
+        computed once per sequence count: the step loop's lookups (it adds ``n * row_context_ms(context)``)."""
         t = self._tables.get(sequences)
         if t is None:
-            t = self._tables[sequences] = [0.0] + [self(sequences, n) for n in range(1, self.max_size + 1)]
+            t = self._tables[sequences] = [0.0] + [self._base(sequences, n) for n in range(1, self.max_size + 1)]
         return t
 
-    def __call__(self, sequences: int, n: float) -> float:
+    def row_context_ms(self, context: float) -> float:
+        """ms more per query row when the sequences hold `context` cached tokens on average."""
+        curve = self.curves[0][1]
+        return curve.context_ms * max(0.0, context - curve.cache_len)
+
+    def __call__(self, sequences: int, n: float, context: float = 0.0) -> float:
+        return self._base(sequences, n) + n * self.row_context_ms(context)
+
+    def _base(self, sequences: int, n: float) -> float:
         pts = self.curves
         if len(pts) == 1 or sequences <= pts[0][0]:
             return pts[0][1](n)

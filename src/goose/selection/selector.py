@@ -56,14 +56,14 @@ class Candidates:
 
 
 def allocate(cands: list[Candidates], fixed_tokens: int = 0, fixed_value: float = 0.0, cost=None,
-             sequences: int | None = None) -> list[DraftTree]:
+             sequences: int | None = None, context: float = 0.0) -> list[DraftTree]:
     """The subtree each request verifies (see `allocate_counts`)."""
-    counts = allocate_counts(cands, fixed_tokens, fixed_value, cost, sequences)
+    counts = allocate_counts(cands, fixed_tokens, fixed_value, cost, sequences, context)
     return [c.pick(k) for c, k in zip(cands, counts)]
 
 
 def allocate_counts(cands: list[Candidates], fixed_tokens: int = 0, fixed_value: float = 0.0, cost=None,
-                    sequences: int | None = None) -> list[int]:
+                    sequences: int | None = None, context: float = 0.0) -> list[int]:
     """How many draft nodes each request verifies so that the whole step's expected committed tokens per millisecond
     is maximal (see docs/theory.md, "Many requests in one forward").
 
@@ -73,8 +73,9 @@ def allocate_counts(cands: list[Candidates], fixed_tokens: int = 0, fixed_value:
     drafts) and `fixed_value` the tokens those rows are expected to commit. For a given total of draft nodes
     M the best choice takes the M highest path probabilities over all requests (each request's share is a
     prefix of its own order, hence a rooted subtree), so one merge and one scan over M find the optimum.
-    `cost`: a `BatchCostCurve`, or a per-size list as `select` takes (then `sequences` is ignored); None
-    verifies every candidate node."""
+    `cost`: a `BatchCostCurve` (`context`: the sequences' mean cached tokens, which price every row alike, so
+    rows stay interchangeable and the merge stays optimal), or a per-size list as `select` takes (then
+    `sequences` and `context` are ignored); None verifies every candidate node."""
     if cost is None:
         return [len(c.tree) - 1 for c in cands]
     seqs = sequences or len(cands)
@@ -84,7 +85,8 @@ def allocate_counts(cands: list[Candidates], fixed_tokens: int = 0, fixed_value:
         at = cost.__getitem__
     else:
         cap = cost.max_size
-        at = cost.table(seqs).__getitem__ if base_n <= cap else (lambda n: cost(seqs, n))  # noqa: E731
+        table, per_row = cost.table(seqs), cost.row_context_ms(context)
+        at = (lambda n: table[n] + n * per_row) if base_n <= cap else (lambda n: cost(seqs, n, context))  # noqa: E731
     room = max(0, cap - base_n)
     merged = [(c.probs[i], r) for r, c in enumerate(cands) for i in c.order[:room]]
     if not merged:
