@@ -240,9 +240,9 @@ def _worth(cost, sequences: int, rows: int, value: float, context: float = 0.0) 
     a cost curve."""
     if cost is None or value <= 0 or rows < 1 or rows + WORTH_ROWS > cost.max_size:
         return 0.0
-    table, per_row = cost.table(sequences), cost.row_context_ms(context)
-    base = table[rows] + rows * per_row
-    marginal = (table[rows + WORTH_ROWS] - table[rows]) / WORTH_ROWS + per_row
+    at = cost.pricer(sequences, context)
+    base = at(rows)
+    marginal = (at(rows + WORTH_ROWS) - base) / WORTH_ROWS
     return WORTH_MARGIN * value * marginal / base if base > 0 else 0.0
 
 

@@ -266,7 +266,7 @@ class BatchCostCurve:
 
     def table(self, sequences: int) -> list[float]:
         """``cost(sequences, n)`` on caches of the measured length, for n = 0..max_size (index 0: 0.0),
-        computed once per sequence count: the step loop's lookups (it adds ``n * row_context_ms(context)``)."""
+        computed once per sequence count (`pricer` adds each row's context)."""
         t = self._tables.get(sequences)
         if t is None:
             t = self._tables[sequences] = [0.0] + [self._base(sequences, n) for n in range(1, self.max_size + 1)]
@@ -279,6 +279,12 @@ class BatchCostCurve:
 
     def __call__(self, sequences: int, n: float, context: float = 0.0) -> float:
         return self._base(sequences, n) + n * self.row_context_ms(context)
+
+    def pricer(self, sequences: int, context: float = 0.0):
+        """``n -> cost(sequences, n, context)`` for the step loop: table lookups up to `max_size`."""
+        table, per_row = self.table(sequences), self.row_context_ms(context)
+        cap = len(table) - 1
+        return lambda n: (table[n] if n <= cap else self._base(sequences, n)) + n * per_row
 
     def _base(self, sequences: int, n: float) -> float:
         pts = self.curves

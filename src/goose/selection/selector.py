@@ -85,8 +85,7 @@ def allocate_counts(cands: list[Candidates], fixed_tokens: int = 0, fixed_value:
         at = cost.__getitem__
     else:
         cap = cost.max_size
-        table, per_row = cost.table(seqs), cost.row_context_ms(context)
-        at = (lambda n: table[n] + n * per_row) if base_n <= cap else (lambda n: cost(seqs, n, context))  # noqa: E731
+        at = cost.pricer(seqs, context)
     room = max(0, cap - base_n)
     merged = [(c.probs[i], r) for r, c in enumerate(cands) for i in c.order[:room]]
     if not merged:
