@@ -167,7 +167,8 @@ def test_profile_prints_the_curve_and_the_kernels(tiny_dir, capsys, tmp_path, mo
     plot = tmp_path / "curve.png"
     code, out, err = run(["profile", "--model", str(tiny_dir), "--plot", str(plot)], capsys)
     assert code == 0, err
-    header, _, *rows = out.splitlines()[:-1]
+    header, _, *rows, context, _ = out.splitlines()
+    assert context.startswith("(on 256 cached tokens; each query row costs ") and "us more per" in context
     assert "LeanForward" in header and "kernels: " in header
     if cpukernel.kernel() is not None:
         assert f"kernels: goose-{cpukernel.kernel().variant}+attention)" in header
