@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from goose.backends import quant
+from goose.backends import packed, quant
 from goose.backends.lean import LeanForward
 from goose.bench.concurrency import cpu_name
 from goose.loading.model import load_model
@@ -34,7 +34,7 @@ def main() -> None:
         net, _ = load_model("smollm2-135m", weights="gguf")
         kern = quant.kernels(variant)
         for mod in net.modules():  # the packed layout is the same for every variant
-            if isinstance(mod, (quant.QuantLinear, quant.QuantEmbedding)):
+            if isinstance(mod, (packed.PackedLinear, packed.PackedEmbedding)):
                 mod.weight.kernels = kern
         forwards[f"gguf-{variant}"] = LeanForward(net)
     prompt = [(7 * i) % 49152 for i in range(args.prefix)]

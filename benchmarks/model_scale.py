@@ -3,7 +3,7 @@ the speed-up it projects for them.
 
 Each model is built directly in GGUF block form (Q4_0 or Q8_0, ``--format``) on goose's quantized kernels
 (`goose.backends.quant`): the HF model is created on the meta device, every projection, the embedding and the output
-head get random GGUF rows packed straight into `QuantLinear` / `QuantEmbedding`, and only the RMSNorm weights
+head get random GGUF rows packed straight into `PackedLinear` / `PackedEmbedding`, and only the RMSNorm weights
 (ones) and the rotary tables are real float32 tensors. No float32 weight matrix is ever materialised, so the
 8B shape in Q4_0 needs about its packed size (~4.5 GB) of memory. The kernels do the same work whatever the
 weights' values, so a random-weight forward costs what a real one of the same shape and format costs.
@@ -63,7 +63,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from goose import theory
 from goose.backends import quant
 from goose.backends.lean import LeanForward
-from goose.backends.quant import QuantEmbedding, QuantKernels, QuantLinear
+from goose.backends.packed import PackedEmbedding, PackedLinear
+from goose.backends.quant import QuantKernels
 from goose.bench.concurrency import cpu_name
 from goose.errors import GooseError
 from goose.selection import costmodel
@@ -141,9 +142,9 @@ def build(shape: Shape, fmt: str = "Q4_0", seed: int = 0, kernels: QuantKernels 
                              (layer.self_attn, "o_proj"), (layer.mlp, "gate_proj"), (layer.mlp, "up_proj"),
                              (layer.mlp, "down_proj")):
             old = getattr(parent, name)
-            setattr(parent, name, QuantLinear(packed(old.out_features, old.in_features), None))
-    net.model.embed_tokens = QuantEmbedding(packed(cfg.vocab_size, cfg.hidden_size), cfg.pad_token_id)
-    net.lm_head = QuantLinear(packed(cfg.vocab_size, cfg.hidden_size), None)
+            setattr(parent, name, PackedLinear(packed(old.out_features, old.in_features), None))
+    net.model.embed_tokens = PackedEmbedding(packed(cfg.vocab_size, cfg.hidden_size), cfg.pad_token_id)
+    net.lm_head = PackedLinear(packed(cfg.vocab_size, cfg.hidden_size), None)
     for name, p in list(net.named_parameters()):  # what is left: the RMSNorm weights
         if p.is_meta and p.dim() == 1:
             parent, _, attr = name.rpartition(".")
@@ -160,7 +161,7 @@ def weight_stats(net) -> tuple[int, int]:
     """(parameters, bytes) of `net`'s weights: the quantized ones as packed blocks, the rest (norms) float32."""
     params = nbytes = 0
     for mod in net.modules():
-        if isinstance(mod, (QuantLinear, QuantEmbedding)):
+        if isinstance(mod, (PackedLinear, PackedEmbedding)):
             params += mod.weight.n * mod.weight.k
             nbytes += mod.weight.nbytes
         for t in mod._parameters.values():

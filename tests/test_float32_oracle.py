@@ -2,7 +2,8 @@
 float64 models.
 
 * Property-based: on tiny float32 Llamas, every method's tokens equal `ar`'s through the same forward, for
-  random prompts, configurations, cost curves and sampling settings. goose's kernels compute each row
+  random prompts, configurations, cost curves and sampling settings; half of the models hold their weights
+  as goose's panels, as `load_model` gives them. goose's kernels compute each row
   independently of the others (and a tree node's attention sums its ancestors in the same order as a
   plain step), so a token's logits do not depend on how many other tokens share its forward: the
   identity is exact, and any difference is a bug, not rounding.
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from conftest import TINY_EOS, configs, make_tiny_llama, method_for, prompts
 from goose.backends import cpukernel
+from goose.backends.packed import PackedLinear, pack_float32
 from goose.config import DecodeConfig
 from goose.decoding import Decoder, default_forward
 from goose.engine.methods import METHODS
@@ -34,18 +36,30 @@ CURVES = {
 _MODELS: dict = {}
 
 
+PACKED_SEEDS = (2, 3)  # models held as goose's panels, as `load_model` gives them (`pack_float32`)
+
+
 def model_for(seed: int):
     if seed not in _MODELS:
-        _MODELS[seed] = make_tiny_llama(dtype=torch.float32, seed=seed)
+        model = make_tiny_llama(dtype=torch.float32, seed=seed)
+        if seed in PACKED_SEEDS and cpukernel.kernel() is not None:
+            pack_float32(model, cpukernel.kernel())
+        _MODELS[seed] = model
     return _MODELS[seed]
 
 
 def test_the_float32_path_is_goose_kernels():
     """The oracle below runs where users run: LeanForward on goose's kernels (when this CPU has them)."""
-    fwd = default_forward(model_for(0))
-    assert type(fwd).__name__ == "LeanForward"
-    if cpukernel.unavailable_reason() is None:
-        assert fwd.backend.startswith(f"goose-{cpukernel.kernel().variant}") and fwd.attn_kernel is not None, fwd.backend
+    for seed in (0, PACKED_SEEDS[0]):
+        fwd = default_forward(model_for(seed))
+        assert type(fwd).__name__ == "LeanForward"
+        if cpukernel.unavailable_reason() is None:
+            assert fwd.backend.startswith(f"goose-{cpukernel.kernel().variant}") and fwd.attn_kernel is not None, \
+                fwd.backend
+    if cpukernel.unavailable_reason() is None:  # the packed model's forward multiplies with the model's own panels
+        model = model_for(PACKED_SEEDS[0])
+        assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
+        assert default_forward(model).layers[0].down.packed is model.model.layers[0].mlp.down_proj.weight.data
 
 
 sampling = st.one_of(
@@ -57,7 +71,7 @@ sampling = st.one_of(
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt=prompts, max_new=st.integers(1, 48), cfg=configs, seed=st.integers(0, 2),
+@given(prompt=prompts, max_new=st.integers(1, 48), cfg=configs, seed=st.integers(0, 3),
        curve=st.sampled_from(sorted(CURVES)), options=sampling)
 def test_every_method_equals_ar_through_the_float32_kernels(prompt, max_new, cfg, seed, curve, options):
     model = model_for(seed)

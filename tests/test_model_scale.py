@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from goose.backends import quant
+from goose.backends import packed, quant
 from goose.backends.lean import LeanForward
 from goose.selection.costmodel import CostCurve
 
@@ -39,7 +39,7 @@ def test_tiny_model_is_built_in_blocks_and_runs(scale, fmt):
     net = scale.build(shape, fmt)
     assert not [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
     _, block, bbytes = quant.FORMATS[fmt]
-    weights = [m.weight for m in net.modules() if isinstance(m, (quant.QuantLinear, quant.QuantEmbedding))]
+    weights = [m.weight for m in net.modules() if isinstance(m, (packed.PackedLinear, packed.PackedEmbedding))]
     assert len(weights) == 7 * shape.layers + 2  # every projection, the embedding and a separate head
     for w in weights:  # whole 16-row panels of the GGUF blocks
         assert w.fmt == fmt and w.nbytes == -(-w.n // quant.PANEL) * quant.PANEL * (w.k // block) * bbytes

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from goose.backends import cpukernel, quant
+from goose.backends import cpukernel, packed, quant
 from goose.backends.lean import LeanForward
 from goose.errors import GooseError
 from goose.loading.model import gguf_source
@@ -143,7 +143,7 @@ def test_bad_input_is_refused_before_the_kernel():
 
 def _quantize_tiny(model, fmt: str, seed: int = 0):
     """Give a float32 tiny Llama random `fmt` weights: its float32 twin gets gguf's dequantization of the same
-    blocks, the other model `QuantLinear` / `QuantEmbedding` modules over them."""
+    blocks, the other model `PackedLinear` / `PackedEmbedding` modules over them."""
     import copy
 
     rng = np.random.default_rng(seed)
@@ -161,11 +161,11 @@ def _quantize_tiny(model, fmt: str, seed: int = 0):
             mod.weight.copy_(reference(fmt, raw))
         w = kern.pack(fmt, list(raw), k)
         parent, _, attr = name.rpartition(".")
-        new = (quant.QuantEmbedding(w) if isinstance(mod, torch.nn.Embedding)
-               else quant.QuantLinear(w, getattr(mod, "bias", None)))
+        new = (packed.PackedEmbedding(w) if isinstance(mod, torch.nn.Embedding)
+               else packed.PackedLinear(w, getattr(mod, "bias", None)))
         setattr(qmodel.get_submodule(parent), attr, new)
         if name == "model.embed_tokens":  # tied output head: the same blocks
-            qmodel.lm_head = quant.QuantLinear(w, None)
+            qmodel.lm_head = packed.PackedLinear(w, None)
     return qmodel
 
 
@@ -180,7 +180,7 @@ def test_lean_forward_on_blocks_equals_float32_twin_bit_for_bit(fmt):
     script = call_script(4, steps=8, prompt_len=20)
     for a, b in zip(play(fq, script), play(ff, script)):
         assert torch.equal(bits(a), bits(b))
-    # the HF forward runs on the blocks too (through QuantLinear / QuantEmbedding)
+    # the HF forward runs on the blocks too (through PackedLinear / PackedEmbedding)
     ids = torch.tensor([[3, 9, 27, 81 % 128, 5]])
     with torch.inference_mode():
         assert (qmodel(ids).logits - model(ids).logits).abs().max().item() < 1e-3
@@ -192,13 +192,15 @@ def test_fusing_keeps_one_copy():
     rng = np.random.default_rng(0)
     ws = [kern.pack("Q4_0", list(random_blocks("Q4_0", n, 64, rng)), 64) for n in (32, 16, 20)]
     before = [w.dequantize() for w in ws]
-    fused = quant.cat(ws)
+    fused = packed.cat(ws)
     assert fused.shape == (68, 64) and torch.equal(fused.dequantize(), torch.cat(before))
     for w, b in zip(ws, before):
         assert torch.equal(w.dequantize(), b)
         assert w.data.untyped_storage().data_ptr() == fused.data.untyped_storage().data_ptr()
+    again = packed.cat(ws)  # already consecutive views of one buffer: fused without a copy
+    assert again.data.data_ptr() == fused.data.data_ptr() and torch.equal(again.dequantize(), torch.cat(before))
     with pytest.raises(GooseError):
-        quant.cat([ws[2], ws[0]])  # 20 rows: not a whole panel
+        packed.cat([ws[2], ws[0]])  # 20 rows: not a whole panel
 
 
 def test_unknown_weights_kind_is_refused():
@@ -255,14 +257,17 @@ def smollm_pair():
 @needs_quant
 def test_packaged_smollm2_blocks_are_the_dequantized_weights(smollm_pair):
     q, f, _ = smollm_pair
-    assert type(q.model.layers[0].self_attn.q_proj) is quant.QuantLinear
+    assert type(q.model.layers[0].self_attn.q_proj) is packed.PackedLinear
     assert quant.weights_kind(q) == "gguf (Q4_1, Q8_0)" and quant.weights_kind(f) == "float32"
     assert q.lm_head.weight is q.model.embed_tokens.weight  # tied head: one copy of the Q8_0 blocks
+    def values(w):  # (the float32 model holds goose's panels where its kernel runs: load_model packs them)
+        return w.dequantize() if isinstance(w, packed.PackedWeight) else w.detach()
+
     for lq, lf in zip(q.model.layers, f.model.layers):
         for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
             a, b = lq.get_submodule(name).weight, lf.get_submodule(name).weight
-            assert torch.equal(bits(a.dequantize()), bits(b.detach()))
-    assert torch.equal(bits(q.model.embed_tokens.weight.dequantize()), bits(f.model.embed_tokens.weight.detach()))
+            assert torch.equal(bits(a.dequantize()), bits(values(b)))
+    assert torch.equal(bits(q.model.embed_tokens.weight.dequantize()), bits(values(f.model.embed_tokens.weight)))
 
 
 @pytest.mark.slow

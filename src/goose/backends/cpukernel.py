@@ -214,10 +214,26 @@ class CpuKernels:
         n, k = weight.shape
         if n < 1 or k < 1:
             raise ValueError(f"pack: weight must have rows and columns, not shape {list(weight.shape)}")
-        w = weight.detach().contiguous()
-        if n % PANEL:
-            w = torch.cat([w, w.new_zeros(PANEL - n % PANEL, k)])
-        return w.view(-1, 2, PANEL // 2, k).transpose(2, 3).contiguous()
+        return CpuKernels.pack_into(weight, torch.empty(-(-n // PANEL), 2, k, PANEL // 2, dtype=torch.float32))
+
+    @staticmethod
+    def pack_into(weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`pack` into the given ``[ceil(N / 16), 2, K, 8]`` float32 tensor (a slice of a fused weight's panels),
+        with no other copy of the weight; returns `out`."""
+        _check(weight, "pack: weight", dims=2)
+        n, k = weight.shape
+        if tuple(out.shape) != (-(-n // PANEL), 2, k, PANEL // 2) or out.dtype != torch.float32:
+            raise ValueError(f"pack_into: out has shape {list(out.shape)}, a [{n}, {k}] weight needs "
+                             f"[{-(-n // PANEL)}, 2, {k}, {PANEL // 2}]")
+        full = n // PANEL
+        w = weight.detach()
+        if full:
+            out[:full].copy_(w[:full * PANEL].reshape(full, 2, PANEL // 2, k).transpose(2, 3))
+        if n % PANEL:  # the last panel's rows past N are zero
+            tail = w.new_zeros(PANEL, k)
+            tail[:n % PANEL] = w[full * PANEL:]
+            out[full].copy_(tail.view(2, PANEL // 2, k).transpose(1, 2))
+        return out
 
     @staticmethod
     def pack_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:

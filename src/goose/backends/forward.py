@@ -18,6 +18,7 @@ chunked attention...) and mixed models without that dict form are refused.
 from __future__ import annotations
 
 import inspect
+from itertools import chain
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -25,6 +26,7 @@ from transformers import DynamicCache
 
 from ..errors import GooseError
 from .kv_cache import cache_length, keep_path
+from .packed import PackedWeight
 from .tree_tensors import additive_mask
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
@@ -269,19 +271,21 @@ class HFCache:
 def weights_fingerprint(model) -> tuple:
     """Storage and in-place version of every parameter and buffer of `model`. It changes with any in-place
     update (an optimizer step, ``load_state_dict``, a merged adapter: each bumps the tensor's version counter)
-    and with any replaced tensor, so a forward that copied or packed weights can tell they are stale."""
+    and with any replaced tensor or module (a `PackedLinear`'s packed data counts as its weight), so a forward
+    that copied or packed weights can tell they are stale."""
     out = []
     stack = [model]  # the module tree walked by hand: ~3x cheaper than parameters() + buffers() (run every step)
     while stack:
         module = stack.pop()
-        for tensors in (module._parameters, module._buffers):
-            for t in tensors.values():
-                if t is None:
-                    continue
-                try:
-                    version = t._version
-                except RuntimeError:  # an inference tensor keeps no version counter (it cannot be updated in place)
-                    version = -1
-                out.append((t.data_ptr(), version))
+        packed = module.__dict__.get("weight")  # a PackedLinear / PackedEmbedding: its packed data
+        extra = (packed.data,) if isinstance(packed, PackedWeight) else ()
+        for t in chain(module._parameters.values(), module._buffers.values(), extra):
+            if t is None:
+                continue
+            try:
+                version = t._version
+            except RuntimeError:  # an inference tensor keeps no version counter (it cannot be updated in place)
+                version = -1
+            out.append((t.data_ptr(), version))
         stack.extend(m for m in module._modules.values() if m is not None)
     return tuple(out)

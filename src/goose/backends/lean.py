@@ -56,8 +56,9 @@ from ..errors import GooseError
 from . import cpukernel
 from .cpukernel import CpuKernels
 from .forward import active_sliding_window, weights_fingerprint
-from .quant import QuantEmbedding, QuantLinear, QuantWeight
-from .quant import cat as _cat_quant
+from .packed import PackedEmbedding, PackedLinear, PackedWeight, PanelWeight
+from .packed import cat as _cat_packed
+from .quant import QuantWeight
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 INITIAL_CAPACITY = 512  # cache slots per layer before the first doubling
@@ -82,8 +83,8 @@ def unsupported_reason(model) -> str | None:
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(base, name):
             return f"model.model has no '{name}'"
-    if (type(getattr(model, "lm_head", None)) not in (nn.Linear, QuantLinear)
-            or type(base.embed_tokens) not in (nn.Embedding, QuantEmbedding)):
+    if (type(getattr(model, "lm_head", None)) not in (nn.Linear, PackedLinear)
+            or type(base.embed_tokens) not in (nn.Embedding, PackedEmbedding)):
         return "lm_head / embed_tokens are not plain nn.Linear / nn.Embedding"
     if getattr(cfg, "hidden_act", None) != "silu":
         return f"activation '{getattr(cfg, 'hidden_act', None)}' is not silu"
@@ -112,7 +113,7 @@ def unsupported_reason(model) -> str | None:
         if {n for n, _ in mlp.named_children()} != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
             return "MLP is not gate/up/down"
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if any(type(m) not in (nn.Linear, QuantLinear) for m in linears):
+        if any(type(m) not in (nn.Linear, PackedLinear) for m in linears):
             return "projections are not plain nn.Linear (quantized?)"
         if getattr(attn, "sliding_window", None) is not None:
             return "sliding-window attention layers are not implemented"
@@ -154,8 +155,8 @@ class _Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool, gemv: bool,
                  kernel: CpuKernels | None = None) -> None:
-        if isinstance(weight, QuantWeight):  # GGUF blocks (`goose.backends.quant`): its own kernel, the same call shape
-            self.kernel, self.packed, self.out = weight.kernels, weight, weight.n
+        if isinstance(weight, PackedWeight):  # packed once at load (`goose.backends.packed`): adopted, no copy
+            self.kernel, self.packed, self.out = weight.kernels, weight.operand, weight.n
             self.bias = CpuKernels.pack_bias(bias, self.out)
             self.weight = self.wt = None
             return
@@ -197,12 +198,15 @@ class _Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-def _cat_weights(linears: list[nn.Linear]) -> torch.Tensor | QuantWeight:
-    """The fused weight of `linears` (quantized ones fused in place: one copy of their blocks)."""
+def _cat_weights(linears: list[nn.Linear]) -> torch.Tensor | PackedWeight:
+    """The fused weight of `linears` (packed ones fused in place: one copy of their data)."""
     weights = [m.weight.detach() for m in linears]
-    if all(isinstance(w, QuantWeight) for w in weights):
-        return _cat_quant(weights)
-    return torch.cat([w.dequantize() if isinstance(w, QuantWeight) else w for w in weights])
+    if all(isinstance(w, PackedWeight) for w in weights):
+        try:
+            return _cat_packed(weights)
+        except GooseError:  # mixed kinds or row counts that cannot share panels
+            pass
+    return torch.cat([w.dequantize() if isinstance(w, PackedWeight) else w for w in weights])
 
 
 def _cat_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
@@ -249,7 +253,6 @@ class LeanForward:
             raise GooseError(f"LeanForward does not support this model: {reason}; use HFForward")
         cfg, base = model.config, model.model
         self._model = weakref.ref(model)  # (a weak reference: a per-model registry may hold this forward)
-        self.fingerprint = weights_fingerprint(model)  # the weights this forward copied and packed
         w = base.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
         cpu_fp32 = self.device.type == "cpu" and self.dtype == torch.float32
@@ -274,6 +277,10 @@ class LeanForward:
         self.scale = attn.scaling
         self.rotary = base.rotary_emb
         self.embed = w.detach()  # [vocab, hid]
+        panels = any(isinstance(m.weight, PanelWeight) for m in model.modules() if isinstance(m, PackedLinear))
+        if kern is None and panels:
+            raise GooseError("this model's weights are held as goose's float32 panels (load_model packs them), which "
+                             "only goose's kernel multiplies; load it with pack=False for PyTorch's kernels")
         self.layers = [_Layer(layer, self.prepacked, self.gemv, kern) for layer in base.layers]
         self.norm, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
         self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias, self.prepacked, self.gemv, kern)  # [vocab, hid]
@@ -288,6 +295,8 @@ class LeanForward:
         if quantized:  # GGUF blocks on goose's quantized kernels (`goose.backends.quant`)
             self.backend += f"+gguf-{'-'.join(quantized)}-{self.layers[0].qkv.kernel.variant}"
         self.cache = self.new_cache()  # the cache of the single-sequence API (reset / __call__ / keep)
+        # the weights this forward copied, packed or adopted (taken after fusing: `cat` may re-point them)
+        self.fingerprint = weights_fingerprint(model)
 
     # ---- caches ------------------------------------------------------------------------------------
     def new_cache(self) -> "LeanCache":

@@ -3,7 +3,7 @@
 A GGUF file stores most weight matrices as blocks of small integers with half-float scales (Q8_0, Q4_0,
 Q4_1, Q4_K, Q6_K here). `use_gguf_weights` packs each such tensor once into goose's panel layout (one
 copy: the float32 weight it replaces is released) and swaps the model's `nn.Linear` / `nn.Embedding`
-modules for `QuantLinear` / `QuantEmbedding`, which multiply with the blocks directly: a step reads the
+modules for `PackedLinear` / `PackedEmbedding` (`goose.backends.packed`), which multiply with the blocks directly: a step reads the
 quantized bytes (~98 MB for SmolLM2's Q4_1 file) instead of 538 MB of float32.
 
 What is guaranteed (tests check each point):
@@ -26,7 +26,7 @@ with a one-line notice). The source is compiled once per variant and machine int
 threads. ``GOOSE_CPU_KERNEL=0`` switches these kernels off too.
 
 The embedding and the output head: a quantized ``token_embd`` stays quantized; a lookup dequantizes just the
-requested rows (`QuantEmbedding`); a tied output head multiplies with the same blocks (one copy). Tensors of
+requested rows (`PackedEmbedding`); a tied output head multiplies with the same blocks (one copy). Tensors of
 other types (F32 norms, F16, other quantizations) stay float32 as transformers loaded them.
 """
 
@@ -39,11 +39,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GooseError
 from . import cpukernel
+from .packed import PackedEmbedding, PackedLinear, PackedWeight, fuse_layers
 
 SOURCE = Path(__file__).with_name("quant_kernels.cpp")
 ABI = 1
@@ -189,109 +189,14 @@ class QuantKernels:
 
 # ---- the weight and the modules -------------------------------------------------------------------------
 
-class QuantWeight:
-    """A packed quantized ``[n, k]`` weight. It stands where a float32 weight tensor stood (``shape``,
-    ``dtype`` float32, ``device`` cpu, ``detach()``, row indexing and `F.embedding` dequantize rows), so code
-    that only looks at a weight's shape, or looks up embedding rows, runs unchanged; anything else that
-    would need the full float32 matrix raises a TypeError instead of silently dequantizing it."""
+class QuantWeight(PackedWeight):
+    """A packed quantized ``[n, k]`` weight (GGUF blocks in goose's panel layout; see `PackedWeight`)."""
 
-    dtype = torch.float32
-    device = torch.device("cpu")
-    requires_grad = False
-    ndim = 2
-
-    def __init__(self, kernels: QuantKernels, fmt: str, n: int, k: int, data: torch.Tensor) -> None:
-        self.kernels, self.fmt, self.n, self.k, self.data = kernels, fmt, n, k, data
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.n, self.k))
-
-    def size(self, dim: int | None = None):
-        return self.shape if dim is None else self.shape[dim]
-
-    def dim(self) -> int:
-        return 2
-
-    def detach(self) -> "QuantWeight":
-        return self
-
-    def contiguous(self) -> "QuantWeight":
-        return self
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
-
-    def dequantize(self) -> torch.Tensor:
-        """The whole float32 ``[n, k]`` matrix (tests, and models the kernels cannot run)."""
-        return self.kernels.rows(self, torch.arange(self.n))
-
-    def __getitem__(self, index) -> torch.Tensor:
-        ids = torch.arange(self.n)[index]
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.kernels.rows(self, ids)
 
-    def __repr__(self) -> str:
-        return f"QuantWeight({self.fmt}, [{self.n}, {self.k}], {self.nbytes} bytes, {self.kernels.variant})"
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.embedding and len(args) >= 2 and isinstance(args[1], QuantWeight) and not kwargs.get("max_norm"):
-            return args[1].kernels.rows(args[1], args[0])
-        raise TypeError(f"{func.__name__} is not defined on a quantized weight (QuantWeight)")
-
-
-def cat(weights: list[QuantWeight]) -> QuantWeight:
-    """The row-wise concatenation of packed weights (a fused QKV or gate/up projection), with one copy of the
-    bytes: the inputs become views of the result. All but the last need a multiple of 16 rows."""
-    first = weights[0]
-    if any(w.fmt != first.fmt or w.k != first.k or w.kernels is not first.kernels for w in weights):
-        raise GooseError("only weights of one format, width and kernel can be fused")
-    if any(w.n % PANEL for w in weights[:-1]):
-        raise GooseError(f"fusing quantized weights needs multiples of {PANEL} rows")
-    data = torch.cat([w.data for w in weights])
-    at = 0
-    for w in weights:
-        w.data = data[at: at + w.data.numel()]
-        at += w.data.numel()
-    return QuantWeight(first.kernels, first.fmt, sum(w.n for w in weights), first.k, data)
-
-
-class QuantLinear(nn.Module):
-    """``y = x W^T + b`` with W a `QuantWeight` (the HF forward of a model with GGUF weights runs through it)."""
-
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = weight.k, weight.n
-        self.weight = weight
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = self.weight.kernels.linear(x.reshape(-1, shape[-1]).to(torch.float32), self.weight, self.out_features)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features).to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight!r}, bias={self.bias is not None}"
-
-
-class QuantEmbedding(nn.Module):
-    """An embedding table kept quantized: a lookup dequantizes only the rows asked for."""
-
-    def __init__(self, weight: QuantWeight, padding_idx: int | None = None) -> None:
-        super().__init__()
-        self.num_embeddings, self.embedding_dim = weight.n, weight.k
-        self.padding_idx = padding_idx
-        self.weight = weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.kernels.rows(self.weight, ids)
-
-    def extra_repr(self) -> str:
-        return repr(self.weight)
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, **fused) -> torch.Tensor:
+        return self.kernels.linear(x, self, self.n, bias, **fused)
 
 
 # ---- GGUF -> model --------------------------------------------------------------------------------------
@@ -493,18 +398,19 @@ def use_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, che
                 heads = cfg.num_key_value_heads
             w = quantized(f"blk.{i}.{short}.weight", module, heads)
             if w is not None:
-                setattr(parent, attr, QuantLinear(w, module.bias))
+                setattr(parent, attr, PackedLinear(w, module.bias))
     emb = base.embed_tokens
     tied = model.lm_head.weight is emb.weight
     ew = quantized("token_embd.weight", emb) if type(emb) is nn.Embedding else None
     if ew is not None:
-        base.embed_tokens = QuantEmbedding(ew, emb.padding_idx)
+        base.embed_tokens = PackedEmbedding(ew, emb.padding_idx)
     if tied and ew is not None and "output.weight" not in tensors:
-        model.lm_head = QuantLinear(ew, model.lm_head.bias)
+        model.lm_head = PackedLinear(ew, model.lm_head.bias)
     elif not tied and type(model.lm_head) is nn.Linear:
         ow = quantized("output.weight", model.lm_head)
         if ow is not None:
-            model.lm_head = QuantLinear(ow, model.lm_head.bias)
+            model.lm_head = PackedLinear(ow, model.lm_head.bias)
+    fuse_layers(model)  # q/k/v and gate/up in one buffer each, as the forward multiplies them
     if skipped:
         _notice(f"{gguf.name}: {', '.join(sorted(skipped))} tensors have no quantized kernel; they run "
                 "dequantized to float32")
@@ -546,7 +452,7 @@ def _resolve(src: Path | None, weights: str | None, dtype: torch.dtype,
 def weights_kind(model) -> str:
     """What a model multiplies with, for reports: ``gguf (Q4_1, Q8_0)`` when it holds GGUF blocks (their
     formats), else its parameters' dtype (``float32``)."""
-    fmts = sorted({m.weight.fmt for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))})
+    fmts = sorted({m.weight.fmt for m in model.modules() if isinstance(getattr(m, "weight", None), QuantWeight)})
     if fmts:
         return f"gguf ({', '.join(fmts)})"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -576,41 +482,11 @@ def load_gguf_model(path: Path, source: Path | None, weights: str | None, dtype:
 
 
 def _meta_load(path: Path, gguf: Path, attn_implementation: str):
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig
+
+    from ..loading.stream import stream_load
 
     cfg = AutoConfig.from_pretrained(path)
     if getattr(cfg, "model_type", None) not in ARCHITECTURES:
         raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{cfg.model_type}'")
-    with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
-    use_gguf_weights(net, gguf, check=False)
-    files = sorted(Path(path).glob("*.safetensors"))
-    wanted = {n: p for n, p in net.named_parameters() if p.is_meta}
-    wanted.update({n: b for n, b in net.named_buffers() if b.is_meta})
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                if key in wanted:
-                    _assign(net, key, st.get_tensor(key).to(torch.float32))
-                    del wanted[key]
-    rotary = net.model.rotary_emb  # non-persistent buffers (inv_freq): computed from the config
-    if any(b.is_meta for b in rotary.buffers()):
-        net.model.rotary_emb = type(rotary)(config=net.config)
-    left = [n for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta]
-    if left:
-        raise GooseError(f"{path} does not hold {', '.join(left[:3])}{' ...' if len(left) > 3 else ''}")
-    try:
-        net.generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:
-        pass
-    return net.eval()
-
-
-def _assign(net: nn.Module, name: str, value: torch.Tensor) -> None:
-    parent, _, attr = name.rpartition(".")
-    mod = net.get_submodule(parent)
-    if attr in mod._parameters:
-        mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
-    else:
-        mod._buffers[attr] = value
+    return stream_load(path, attn_implementation, prepare=lambda net: use_gguf_weights(net, gguf, check=False))

@@ -61,7 +61,12 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     methods = with_reference(args.methods)
     settings = method_settings(methods)  # a missing datastore fails here, before the model load
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
+    # Hugging Face's methods measure HF's own float32 modules and kernels: the weights are then not packed
+    # (goose's methods pack their own copy; the same panels and kernel, so the same speed)
+    from .engines import HF_METHODS
+
+    pack = not any(m in HF_METHODS for m in methods)
+    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None), pack=pack)
     from ..backends.quant import weights_kind
 
     runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"],

@@ -220,12 +220,17 @@ def gguf_source(model: str) -> Path | None:
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = "cpu",
-               attn_implementation: str = "sdpa", weights: str | None = None):
+               attn_implementation: str = "sdpa", weights: str | None = None, pack: bool = True):
     """Returns ``(model, tokenizer)`` ready for goose, in eval mode.
 
     `weights` (GGUF sources): "gguf" keeps the file's quantized blocks and multiplies with them directly
     (`goose.backends.quant`: the same float32 weight values, bit-identical logits under `LeanForward`, ~1/5 of the
-    memory reads); "float32" the dequantized weights; None (default) "gguf" where it applies, else float32."""
+    memory reads); "float32" the dequantized weights; None (default) "gguf" where it applies, else float32.
+
+    `pack` (float32 weights on a CPU where goose's kernel runs, models `LeanForward` runs): hold the projections
+    and the output head once, as goose's float32 panels (`goose.backends.packed.pack_float32`; the model's
+    `nn.Linear` modules become `PackedLinear`, so ``model.generate`` multiplies on goose's kernel too). False
+    keeps Hugging Face's modules and kernels; goose's forward then packs a second copy of those weights."""
     if attn_implementation not in SUPPORTED_ATTENTION:
         raise GooseError(f"attention implementation '{attn_implementation}' ignores custom tree masks; "
                          f"use one of {', '.join(SUPPORTED_ATTENTION)}")
@@ -238,9 +243,46 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
         from ..backends.quant import load_gguf_model  # GGUF blocks (None: float32 weights)
 
         net = load_gguf_model(path, gguf_source(model), weights, dt, resolve_device(device), attn_implementation)
+        if net is None and pack:
+            net = _load_packed(path, dt, resolve_device(device), attn_implementation)
         if net is None:
             net = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn_implementation)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a damaged or foreign folder
         raise GooseError(f"cannot load the model in {path}: {one_line(exc)}") from exc
     net.to(resolve_device(device)).eval()
+    if pack:
+        _pack_rest(net)
     return net, tok
+
+
+def _load_packed(path: Path, dtype: torch.dtype, device: torch.device, attn_implementation: str):
+    """`load_model`'s ``pack`` for float32 weights: the model with its projections and output head read
+    straight into goose's panels (`goose.loading.stream`), or None where that does not apply (other dtypes
+    and devices, no kernel here, a model `LeanForward` does not run, files the streamed load cannot read)."""
+    from transformers import AutoConfig
+
+    from ..backends import cpukernel, lean
+    from ..backends.packed import PanelPacker, fuse_layers
+    from .stream import stream_load
+
+    kern = cpukernel.kernel() if dtype == torch.float32 and device.type == "cpu" else None
+    if kern is None or getattr(AutoConfig.from_pretrained(path), "model_type", None) not in lean.SUPPORTED_TYPES:
+        return None
+    try:
+        net = stream_load(path, attn_implementation, place=PanelPacker(kern))
+    except GooseError:  # (transformers' own loader knows more checkpoint layouts)
+        return None
+    fuse_layers(net)
+    return net
+
+
+def _pack_rest(net) -> None:
+    """Float32 projections still held as `nn.Linear` (transformers' loader, tensors a GGUF file keeps in float32)
+    packed into panels in place, for the models `LeanForward` runs on goose's kernel."""
+    from ..backends import cpukernel, lean
+    from ..backends.packed import pack_float32
+
+    p = next(net.parameters())
+    kern = cpukernel.kernel() if p.dtype == torch.float32 and p.device.type == "cpu" else None
+    if kern is not None and lean.supports(net) and any(type(m) is torch.nn.Linear for m in net.modules()):
+        pack_float32(net, kern)
