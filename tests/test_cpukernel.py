@@ -201,6 +201,30 @@ def test_attention_batch_equals_each_sequence_alone(segs, seed):
 
 
 @needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 24), kh=st.integers(1, 3), group=st.integers(1, 4), d=st.sampled_from([8, 16, 64]),
+       prefix=st.integers(0, 40), seed=st.integers(0, 2**31 - 1))
+def test_a_tree_node_equals_its_path_run_as_a_chain(n, kh, group, d, prefix, seed):
+    """The output of every tree node is bit-identical to the last row of its path (its ancestors and itself, in
+    order) run as a causal chain on the same cache: verifying a tree gives exactly the logits a plain step
+    gives once the path is accepted, so no near-tie can make a speculative method differ from `ar`."""
+    g = torch.Generator().manual_seed(seed)
+    heads = kh * group
+    allowed = random_tree_mask(n, g)
+    qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
+    ang = torch.rand(n, d // 2, generator=g) * 6.3
+    cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
+    for kern in VARIANTS.values():
+        cache = torch.randn(1, 2, kh, prefix + n, d, generator=torch.Generator().manual_seed(seed))
+        tree = kern.attention_step(heads, cos, sin, cache.clone(), prefix, allowed, d ** -0.5)(0, qkv)
+        for i in range(n):
+            path = [j for j in range(n) if allowed[i, j]]
+            chain = kern.attention_step(heads, cos[path].contiguous(), sin[path].contiguous(), cache.clone(), prefix,
+                                        None, d ** -0.5)(0, qkv[path].contiguous())
+            assert torch.equal(tree[i], chain[-1]), (kern.variant, i, path)
+
+
+@needs_kernel
 def test_attention_rows_do_not_depend_on_the_other_rows():
     """A token's output is bit-identical whether it is computed alone or with the tokens after it."""
     g = torch.Generator().manual_seed(0)

@@ -196,6 +196,30 @@ def test_tree_nodes_equal_plain_forward(llama64, seed):
             assert (logits[i] - ref).abs().max().item() <= 1e-9, i
 
 
+@pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(2, 20), prefix_len=st.integers(1, 30))
+def test_tree_node_logits_are_the_plain_steps_bits_float32(llama32, seed, n, prefix_len):
+    """On goose's float32 kernels a tree node's logits are bit-identical to `ar`'s one-token steps along its
+    path (not just close): accepting the path can never change a token, however near a tie."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(prefix_len)]
+    parents = random_tree(rng, n)
+    tokens = [rng.randrange(VOCAB) for _ in range(n)]
+    allowed, depths = tree_tensors(parents)
+    lean = LeanForward(llama32)
+    with torch.inference_mode():
+        lean.reset()
+        lean(prefix)
+        tree = lean(tokens, depths, allowed)
+        for i in range(n):
+            lean.reset()
+            lean(prefix)
+            for j in root_path(parents, i):  # one token per call, as ar decodes
+                last = lean([tokens[j]])[-1]
+            assert torch.equal(tree[i], last), (i, root_path(parents, i))
+
+
 # ---- (3) lossless: every method equals greedy generate ------------------------------------------------------
 prompts = st.one_of(
     st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=40),  # random

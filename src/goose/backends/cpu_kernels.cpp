@@ -272,8 +272,14 @@ inline void weighted_rows(const float* e, int64_t lde, const float* v, int64_t T
 }
 
 // Softmax numerators of s [T] in place (e^(s - max), masked -inf -> 0) padded with zeros to a multiple
-// of 8; returns 1 / their sum.
-inline float softmax_numerators(float* s, int64_t T) {
+// of 8; returns 1 / their sum. The sum runs over 8 lanes, a key's lane being its rank among the keys the row
+// sees. For a causal row that is its position. A tree row (`seen`: which of the last n positions it sees,
+// the positions before them all seen) adds its new-token terms at their ranks. So a tree node's sum is the
+// one its path gives as a causal run (the same terms in the same lanes), and accepting a node never changes
+// its logits in the last bit.
+// `rest`: scratch for tree rows, at least n + 16 floats.
+inline float softmax_numerators(float* s, int64_t T, const uint8_t* seen = nullptr, int64_t n = 0,
+                                float* rest = nullptr) {
   __m256 mx = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + 8 <= T; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
@@ -285,10 +291,19 @@ inline float softmax_numerators(float* s, int64_t T) {
   for (int64_t t = T; t < T + 8; ++t) s[t] = -INFINITY;  // pad the last block
   const __m256 mv = _mm256_set1_ps(m);
   __m256 total = _mm256_setzero_ps();
+  const int64_t p = seen ? T - n : T, b0 = p / 8 * 8;  // blocks below b0 hold prefix terms only
   for (j = 0; j < T; j += 8) {
     const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
     _mm256_storeu_ps(s + j, e);
-    total = _mm256_add_ps(total, e);
+    if (!seen || j < b0) total = _mm256_add_ps(total, e);
+  }
+  if (seen) {  // the rest: prefix terms from b0, then the seen new tokens' terms in order, zero-padded
+    int64_t k = 0;
+    for (int64_t t = b0; t < p; ++t) rest[k++] = s[t];
+    for (int64_t t = 0; t < n; ++t)
+      if (seen[t]) rest[k++] = s[p + t];
+    for (int64_t t = k; t < (k + 7) / 8 * 8; ++t) rest[t] = 0.0f;
+    for (int64_t t = 0; t < k; t += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(rest + t));
   }
   _mm256_storeu_ps(buf, total);
   float sum = 0.0f;
@@ -488,7 +503,7 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
   constexpr int kRows = 3;  // query heads per work item (they share every key load)
   const int64_t groups = (G + kRows - 1) / kRows;
   std::vector<int64_t> first(nseg + 1, 0);  // work items of segment s: [first[s], first[s + 1])
-  int64_t longest = 0;
+  int64_t longest = 0, widest = 0;
   for (int64_t s = 0; s < nseg; ++s) {
     const Segment& g = segs[s];
     for (int64_t i = 0; i < g.n; ++i)
@@ -499,11 +514,12 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
       }
     first[s + 1] = first[s] + g.n * Kh * groups;
     longest = g.p + g.n > longest ? g.p + g.n : longest;
+    widest = g.n > widest ? g.n : widest;
   }
   const int64_t lds = longest + 8;
 #pragma omp parallel
   {
-    std::vector<float> sc(kRows * lds), q(kRows * D);
+    std::vector<float> sc(kRows * lds), q(kRows * D), rest(widest + 16);
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < first[nseg]; ++item) {
       int64_t s = 0;
@@ -528,7 +544,7 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
         if (g.allowed)
           for (int64_t t = 0; t < g.n; ++t)
             if (!g.allowed[i * g.n + t]) sr[g.p + t] = -INFINITY;
-        inv[r] = softmax_numerators(sr, Tv);
+        inv[r] = g.allowed ? softmax_numerators(sr, Tv, g.allowed + i * g.n, g.n, rest.data()) : softmax_numerators(sr, Tv);
       }
       float* o = out + (g.row0 + i) * H * D + h0 * D;
       switch (R) {
