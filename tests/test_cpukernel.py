@@ -225,6 +225,30 @@ def test_a_tree_node_equals_its_path_run_as_a_chain(n, kh, group, d, prefix, see
 
 
 @needs_kernel
+@pytest.mark.skipif(len(VARIANTS) < 2, reason="this CPU runs one kernel variant")
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 20), kh=st.integers(1, 3), group=st.integers(1, 7), d=st.sampled_from([8, 16, 24, 64, 72, 128]),
+       prefix=st.integers(0, 60), tree=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_attention_variants_are_bit_identical(n, kh, group, d, prefix, tree, seed):
+    """The AVX-512 attention (query rows of several tokens per work item, two rows per register) gives the
+    AVX2 variant's bits, outputs and cache alike."""
+    g = torch.Generator().manual_seed(seed)
+    heads = kh * group
+    qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
+    ang = torch.rand(n, d // 2, generator=g) * 6.3
+    cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
+    cache = torch.randn(2, 2, kh, prefix + n + 2, d, generator=g)
+    allowed = random_tree_mask(n, g) if tree else None
+    got = {}
+    for name, kern in VARIANTS.items():
+        c = cache.clone()
+        step = kern.attention_step(heads, cos, sin, c, prefix, allowed, d ** -0.5)
+        got[name] = (torch.cat([step(layer, qkv) for layer in range(2)]), c)
+    (a, ca), (b, cb) = got.values()
+    assert torch.equal(a, b) and torch.equal(ca, cb)
+
+
+@needs_kernel
 def test_attention_rows_do_not_depend_on_the_other_rows():
     """A token's output is bit-identical whether it is computed alone or with the tokens after it."""
     g = torch.Generator().manual_seed(0)

@@ -414,6 +414,106 @@ void linear512(const float* x, int64_t M, int64_t K, const float* packed, int64_
     }
   }
 }
+
+// ---- the AVX-512 variant of the attention's inner loops ----
+//
+// Query rows go in pairs: one zmm holds 8 values of each row of a pair (lanes 0-7 the first, 8-15 the
+// second), and each lane does exactly what the 8-lane code does for its row, in the same order, so every
+// score and output is bit-identical to the AVX2 variant's. A work item takes up to kPairs512 pairs of query
+// rows that read one kv head (several tokens and the query heads of their group): each key and value vector
+// is loaded once for all of them, where the 8-lane code loads it once per token.
+constexpr int kPairs512 = 4;
+
+inline __m512 both_halves(const float* p) {  // 8 floats in lanes 0-7 and again in 8-15
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+
+// _mm256_hadd_ps on each 256-bit half: per 128-bit lane [a0 + a1, a2 + a3, b0 + b1, b2 + b3]
+inline __m512 hadd512(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores (see `scores`) of P row pairs, qp [P][D / 8][16] (pair-interleaved), over keys [T][D]; row r's
+// scores go to s[r] (2 P row pointers).
+template <int P>
+inline void scores512(const float* qp, const float* keys, int64_t T, int D, float scale, float* const* s) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  const int steps = D / 8;
+  for (int64_t j0 = 0; j0 < T; j0 += 4) {
+    const float* k[4];
+    for (int t = 0; t < 4; ++t) k[t] = keys + (j0 + t < T ? j0 + t : T - 1) * D;
+    __m512 a[P][4];
+    for (int p = 0; p < P; ++p)
+      for (int t = 0; t < 4; ++t) a[p][t] = _mm512_setzero_ps();
+    for (int d = 0; d < steps; ++d) {
+      const __m512 k0 = both_halves(k[0] + 8 * d), k1 = both_halves(k[1] + 8 * d);
+      const __m512 k2 = both_halves(k[2] + 8 * d), k3 = both_halves(k[3] + 8 * d);
+      for (int p = 0; p < P; ++p) {
+        const __m512 qv = _mm512_loadu_ps(qp + (p * steps + d) * 16);
+        a[p][0] = _mm512_fmadd_ps(qv, k0, a[p][0]);
+        a[p][1] = _mm512_fmadd_ps(qv, k1, a[p][1]);
+        a[p][2] = _mm512_fmadd_ps(qv, k2, a[p][2]);
+        a[p][3] = _mm512_fmadd_ps(qv, k3, a[p][3]);
+      }
+    }
+    const int64_t m = T - j0 < 4 ? T - j0 : 4;
+    for (int p = 0; p < P; ++p) {
+      // the 8-lane code's hadd tree on both rows at once (hadd within 128-bit lanes is these two shuffles
+      // and one add), then the two 128-bit lanes of each row added: row a in lane 0, row b in lane 2
+      const __m512 u = hadd512(hadd512(a[p][0], a[p][1]), hadd512(a[p][2], a[p][3]));
+      const __m512 v = _mm512_mul_ps(_mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1))), sc);
+      for (int half = 0; half < 2; ++half) {
+        const __m128 w = half ? _mm512_extractf32x4_ps(v, 2) : _mm512_castps512_ps128(v);
+        float* out = s[2 * p + half] + j0;
+        if (m == 4) {
+          _mm_storeu_ps(out, w);
+        } else {
+          float buf[4];
+          _mm_storeu_ps(buf, w);
+          for (int t = 0; t < m; ++t) out[t] = buf[t];
+        }
+      }
+    }
+  }
+}
+
+// weighted (see `weighted`) for R rows over 16 W columns from column c0 (the last vector only the lanes in
+// `last`): o[r][c0..] = inv[r] * sum_j e[r][j] v[j][c0..], j in [0, T).
+template <int R, int W>
+inline void weighted512(const float* const* e, const float* v, int64_t T, int64_t D, const float* inv,
+                        float* const* o, int64_t c0, __mmask16 last) {
+  __m512 acc[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < W; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < T; ++j) {
+    __m512 vv[W];
+    for (int c = 0; c < W; ++c) vv[c] = _mm512_maskz_loadu_ps(c == W - 1 ? last : 0xFFFF, v + j * D + c0 + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 ej = _mm512_set1_ps(e[r][j]);
+      for (int c = 0; c < W; ++c) acc[r][c] = _mm512_fmadd_ps(ej, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 iv = _mm512_set1_ps(inv[r]);
+    for (int c = 0; c < W; ++c)
+      _mm512_mask_storeu_ps(o[r] + c0 + 16 * c, c == W - 1 ? last : 0xFFFF, _mm512_mul_ps(acc[r][c], iv));
+  }
+}
+
+template <int R>
+inline void weighted512_cols(const float* const* e, const float* v, int64_t T, int64_t D, const float* inv,
+                             float* const* o) {
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    const int64_t cols = D - c0 < 64 ? D - c0 : 64;
+    const __mmask16 last = cols % 16 ? static_cast<__mmask16>(0x00FF) : static_cast<__mmask16>(0xFFFF);
+    switch ((cols + 15) / 16) {
+      case 4: weighted512<R, 4>(e, v, T, D, inv, o, c0, last); break;
+      case 3: weighted512<R, 3>(e, v, T, D, inv, o, c0, last); break;
+      case 2: weighted512<R, 2>(e, v, T, D, inv, o, c0, last); break;
+      default: weighted512<R, 1>(e, v, T, D, inv, o, c0, last); break;
+    }
+  }
+}
 #endif  // __AVX512F__
 
 }  // namespace
@@ -495,6 +595,20 @@ struct Segment {
   const uint8_t* allowed;  // [n, n] or null (causal)
 };
 
+// The new tokens' rotated keys and their values, written into each sequence's cache before any row reads them.
+void write_new_kv(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg) {
+  const int64_t row = (H + 2 * Kh) * D;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const Segment& g = segs[s];
+    for (int64_t i = 0; i < g.n; ++i)
+      for (int64_t h = 0; h < Kh; ++h) {
+        const float* x = qkv + (g.row0 + i) * row;
+        rope(x + (H + h) * D, g.cos + i * D, g.sin + i * D, static_cast<int>(D), g.keys + (h * g.cap + g.p + i) * D);
+        memcpy(g.vals + (h * g.cap + g.p + i) * D, x + (H + Kh + h) * D, sizeof(float) * D);
+      }
+  }
+}
+
 // Attention of a decoder layer for several sequences in one parallel region (see goose_attention).
 void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg, float scale,
                float* out) {
@@ -503,15 +617,10 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
   constexpr int kRows = 3;  // query heads per work item (they share every key load)
   const int64_t groups = (G + kRows - 1) / kRows;
   std::vector<int64_t> first(nseg + 1, 0);  // work items of segment s: [first[s], first[s + 1])
+  write_new_kv(qkv, H, Kh, D, segs, nseg);
   int64_t longest = 0, widest = 0;
   for (int64_t s = 0; s < nseg; ++s) {
     const Segment& g = segs[s];
-    for (int64_t i = 0; i < g.n; ++i)
-      for (int64_t h = 0; h < Kh; ++h) {
-        const float* x = qkv + (g.row0 + i) * row;
-        rope(x + (H + h) * D, g.cos + i * D, g.sin + i * D, d, g.keys + (h * g.cap + g.p + i) * D);
-        memcpy(g.vals + (h * g.cap + g.p + i) * D, x + (H + Kh + h) * D, sizeof(float) * D);
-      }
     first[s + 1] = first[s] + g.n * Kh * groups;
     longest = g.p + g.n > longest ? g.p + g.n : longest;
     widest = g.n > widest ? g.n : widest;
@@ -556,6 +665,94 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
   }
 }
 
+#ifdef __AVX512F__
+// The same on AVX-512 (the same bits): a work item is a kv head of one segment and up to 2 kPairs512 of
+// the query rows that read it (row q = token q / G, query head kv G + q % G), so the keys and values are
+// loaded once per item instead of once per token.
+void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg,
+                  float scale, float* out) {
+  const int64_t row = (H + 2 * Kh) * D, G = H / Kh;
+  const int d = static_cast<int>(D), steps = d / 8;
+  constexpr int B = 2 * kPairs512;
+  write_new_kv(qkv, H, Kh, D, segs, nseg);
+  std::vector<int64_t> first(nseg + 1, 0);  // work items of segment s: [first[s], first[s + 1])
+  int64_t longest = 0, widest = 0;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const Segment& g = segs[s];
+    first[s + 1] = first[s] + Kh * ((g.n * G + B - 1) / B);
+    longest = g.p + g.n > longest ? g.p + g.n : longest;
+    widest = g.n > widest ? g.n : widest;
+  }
+  const int64_t lds = longest + 8;
+#pragma omp parallel
+  {
+    std::vector<float> sc(B * lds), q(D), qp(B * D), rest(widest + 16);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < first[nseg]; ++item) {
+      int64_t s = 0;
+      while (item >= first[s + 1]) ++s;
+      const Segment& g = segs[s];
+      const int64_t blocks = (g.n * G + B - 1) / B, local = item - first[s];
+      const int64_t kv = local / blocks, q0 = local % blocks * B;
+      const int R = static_cast<int>(g.n * G - q0 < B ? g.n * G - q0 : B), P = (R + 1) / 2;
+      int64_t tok[B], Tv[B], Tmax = 0;
+      float* srow[B];
+      float* o[B];
+      for (int r = 0; r < 2 * P; ++r) {  // an odd block's last pair repeats its last row (output unused)
+        const int64_t qi = q0 + (r < R ? r : R - 1), i = qi / G, h = kv * G + qi % G;
+        tok[r] = i;
+        Tv[r] = g.allowed ? g.p + g.n : g.p + i + 1;  // causal: new tokens up to i; a tree masks below
+        Tmax = Tv[r] > Tmax ? Tv[r] : Tmax;
+        srow[r] = sc.data() + r * lds;
+        o[r] = out + (g.row0 + i) * H * D + h * D;
+        rope(qkv + (g.row0 + i) * row + h * D, g.cos + i * D, g.sin + i * D, d, q.data());
+        for (int k = 0; k < steps; ++k)
+          memcpy(qp.data() + ((r / 2) * steps + k) * 16 + (r % 2) * 8, q.data() + 8 * k, sizeof(float) * 8);
+      }
+      const float* kh = g.keys + kv * g.cap * D;
+      const float* vh = g.vals + kv * g.cap * D;
+      switch (P) {
+        case 4: scores512<4>(qp.data(), kh, Tmax, d, scale, srow); break;
+        case 3: scores512<3>(qp.data(), kh, Tmax, d, scale, srow); break;
+        case 2: scores512<2>(qp.data(), kh, Tmax, d, scale, srow); break;
+        default: scores512<1>(qp.data(), kh, Tmax, d, scale, srow); break;
+      }
+      float inv[B];
+      for (int r = 0; r < R; ++r) {
+        float* sr = srow[r];
+        if (g.allowed) {
+          const uint8_t* seen = g.allowed + tok[r] * g.n;
+          for (int64_t t = 0; t < g.n; ++t)
+            if (!seen[t]) sr[g.p + t] = -INFINITY;
+          inv[r] = softmax_numerators(sr, Tv[r], seen, g.n, rest.data());
+        } else {
+          inv[r] = softmax_numerators(sr, Tv[r]);
+        }
+        for (int64_t t = Tv[r]; t < Tmax; ++t) sr[t] = 0.0f;  // keys past the row's own add zeros (exactly)
+      }
+      for (int r0 = 0; r0 < R; r0 += 4) {
+        switch (R - r0 < 4 ? R - r0 : 4) {
+          case 4: weighted512_cols<4>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
+          case 3: weighted512_cols<3>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
+          case 2: weighted512_cols<2>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
+          default: weighted512_cols<1>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
+        }
+      }
+    }
+  }
+}
+
+void attention_best(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg,
+                    float scale, float* out) {
+  attention512(qkv, H, Kh, D, segs, nseg, scale, out);
+}
+#else
+void attention_best(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg,
+                    float scale, float* out) {
+  attention(qkv, H, Kh, D, segs, nseg, scale, out);
+}
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -571,7 +768,7 @@ void goose_attention(const float* qkv, int64_t n, int64_t H, int64_t Kh, int64_t
                      const float* sin, float* keys, float* vals, int64_t cap, int64_t p, const uint8_t* allowed,
                      float scale, float* out) {
   const Segment seg{n, 0, cos, sin, keys, vals, cap, p, allowed};
-  attention(qkv, H, Kh, D, &seg, 1, scale, out);
+  attention_best(qkv, H, Kh, D, &seg, 1, scale, out);
 }
 
 // The same for several sequences in one call (one parallel region): segment s's tokens are rows
@@ -587,7 +784,7 @@ void goose_attention_batch(const float* qkv, int64_t H, int64_t Kh, int64_t D, i
     segs[s] = Segment{e[0], e[1], reinterpret_cast<const float*>(e[2]), reinterpret_cast<const float*>(e[3]),
                       cache, cache + Kh * e[5] * D, e[5], e[6], reinterpret_cast<const uint8_t*>(e[7])};
   }
-  attention(qkv, H, Kh, D, segs.data(), nseg, scale, out);
+  attention_best(qkv, H, Kh, D, segs.data(), nseg, scale, out);
 }
 
 // The k largest values of each row of x [n, V] (row stride ldx) in descending order, ties to the lower
