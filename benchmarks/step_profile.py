@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--long-prompt-tokens", type=int, default=4000)
     args = ap.parse_args()
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, pack=False)  # (HF and PyTorch kernels are timed too)
     texts = prompts(args.prompts)
     backends = {"hf": lambda m: HFForward(m, kernel=False), "hf+kernel": HFForward}  # generic; linears on goose's kernel
     if lean_supports(model):
