@@ -197,6 +197,17 @@ inline void rope(const float* x, const float* cos, const float* sin, int D, floa
   for (int d = h; d < D; ++d) o[d] = x[d] * cos[d] + x[d - h] * sin[d];
 }
 
+// The first m (1..4) of the 4 scores in v, stored at out.
+inline void store_scores(float* out, __m128 v, int64_t m) {
+  if (m == 4) {
+    _mm_storeu_ps(out, v);
+  } else {
+    float buf[4];
+    _mm_storeu_ps(buf, v);
+    for (int t = 0; t < m; ++t) out[t] = buf[t];
+  }
+}
+
 // Scores s_r[j] = scale * <q_r, keys[j]> of R query rows q [R][D] for j in [0, T), keys [T][D] (D a
 // multiple of 8), 4 keys at a time, each key loaded once for the R rows (4 R accumulators). Every
 // (row, key) dot product is the same chain of FMAs and the same horizontal sum wherever it falls, so a
@@ -227,13 +238,7 @@ inline void scores(const float* q, const float* keys, int64_t T, int D, float sc
       const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), _mm256_hadd_ps(a[r][2], a[r][3]));
       const __m128 v = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)),
                                   _mm256_castps256_ps128(sc));
-      if (m == 4) {
-        _mm_storeu_ps(s + r * lds + j0, v);
-      } else {
-        float buf[4];
-        _mm_storeu_ps(buf, v);
-        for (int t = 0; t < m; ++t) s[r * lds + j0 + t] = buf[t];
-      }
+      store_scores(s + r * lds + j0, v, m);
     }
   }
 }
@@ -463,15 +468,7 @@ inline void scores512(const float* qp, const float* keys, int64_t T, int D, floa
       const __m512 u = hadd512(hadd512(a[p][0], a[p][1]), hadd512(a[p][2], a[p][3]));
       const __m512 v = _mm512_mul_ps(_mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1))), sc);
       for (int half = 0; half < 2; ++half) {
-        const __m128 w = half ? _mm512_extractf32x4_ps(v, 2) : _mm512_castps512_ps128(v);
-        float* out = s[2 * p + half] + j0;
-        if (m == 4) {
-          _mm_storeu_ps(out, w);
-        } else {
-          float buf[4];
-          _mm_storeu_ps(buf, w);
-          for (int t = 0; t < m; ++t) out[t] = buf[t];
-        }
+        store_scores(s[2 * p + half] + j0, half ? _mm512_extractf32x4_ps(v, 2) : _mm512_castps512_ps128(v), m);
       }
     }
   }
