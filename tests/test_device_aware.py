@@ -251,3 +251,12 @@ def test_candidates_skip_the_tree_below_min_prob(tiny_model):
     assert _worth(None, 1, 1, 1.0) == 0.0
     assert _worth(cost, 1, 1, 1.0) == pytest.approx(WORTH_MARGIN * 1.0 * (cost(1, 5) - 10.0) / 4 / 10.0)
     assert _worth(cost, 1, 14, 1.0) == 0.0  # past the curve: never skip
+
+
+@given(depth=st.integers(-2, 80), edges=st.lists(st.integers(1, 64), min_size=1, max_size=12, unique=True))
+def test_depth_bucket_is_the_first_edge_at_or_above(depth, edges):
+    from goose.selection.acceptance import depth_bucket
+
+    edges = tuple(sorted(edges))
+    want = next((i for i, e in enumerate(edges) if depth <= e), len(edges))
+    assert depth_bucket(depth, edges) == want

@@ -9,6 +9,8 @@ nodes of the product of these probabilities along the node's path (independence 
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from ..config import AcceptanceConfig
 from ..drafting.tree import SPINE, DraftTree
 from ..engine.verify import WalkResult
@@ -22,11 +24,8 @@ def match_kind(consensus: bool, chain_len: int) -> int:
 
 
 def depth_bucket(depth: int, edges: tuple[int, ...]) -> int:
-    """Index of the first edge >= depth (len(edges) past the last one)."""
-    for i, edge in enumerate(edges):
-        if depth <= edge:
-            return i
-    return len(edges)
+    """Index of the first edge >= depth (len(edges) past the last one); `edges` ascending."""
+    return bisect_left(edges, depth)
 
 
 def _spine_bucket(depth: int) -> int:
