@@ -14,7 +14,10 @@ end-to-end tok/s, peak RSS of the process (model loading included), and whether 
 plain decoding (llama.cpp: `llama-pld` against `llama`; goose: `goose` against `goose-ar`) and goose's
 against llama.cpp's (their float arithmetic differs; reported, not required).
 
-    .venv-llama/bin/pip install llama-cpp-python==0.3.36 numpy     # builds llama.cpp from source (~10 min)
+    .venv-llama/bin/pip install llama-cpp-python==0.3.36 numpy     # builds llama.cpp from source (~4-10 min)
+
+(On a VM whose CPU lists AMX, llama.cpp's native build can crash in its AMX path: build it with the
+CMAKE_ARGS given in docs/performance.md §7, which turn AMX off and keep AVX-512.)
     .venv/bin/python benchmarks/vs_llamacpp.py --limit 1 --max-new-tokens 128
 
 Writes OUT/vs_llamacpp.json and OUT/vs_llamacpp.md. Not part of `make test`.
