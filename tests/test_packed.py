@@ -148,6 +148,26 @@ def _write_tokenizer(path) -> None:
 
 
 @needs_kernel
+def test_load_model_streams_a_qwen2_with_biases(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from goose.loading.model import load_model
+
+    torch.manual_seed(5)
+    cfg = Qwen2Config(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True, eos_token_id=1, bos_token_id=0)
+    Qwen2ForCausalLM(cfg).float().eval().save_pretrained(tmp_path)
+    _write_tokenizer(tmp_path)
+    model, _ = load_model(str(tmp_path))
+    plain, _ = load_model(str(tmp_path), pack=False)
+    q = model.model.layers[0].self_attn.q_proj
+    assert isinstance(q, packed.PackedLinear) and q.bias is not None
+    assert torch.equal(q.bias, plain.model.layers[0].self_attn.q_proj.bias)
+    ids = [5, 6, 7, 8]
+    assert torch.equal(bits(LeanForward(model)(ids)), bits(LeanForward(plain)(ids)))
+
+
+@needs_kernel
 def test_load_model_reports_a_missing_tensor(tmp_path):
     """A checkpoint without a tensor the model needs: the streamed load names it and transformers' own loader
     (which knows more checkpoint layouts) takes over, as it would without packing."""
