@@ -182,3 +182,7 @@ def test_load_model_reports_a_missing_tensor(tmp_path):
     save_file(tensors, str(f), metadata={"format": "pt"})
     with pytest.raises(GooseError, match="down_proj"):
         stream_load(tmp_path, "sdpa", place=packed.PanelPacker(cpukernel.kernel()))
+    tensors["model.layers.1.mlp.down_proj.weight"] = torch.zeros(32, 24, dtype=torch.uint8)  # packed int4, say
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    with pytest.raises(GooseError, match="down_proj.weight is torch.uint8"):
+        stream_load(tmp_path, "sdpa", place=packed.PanelPacker(cpukernel.kernel()))

@@ -266,7 +266,9 @@ def _load_packed(path: Path, dtype: torch.dtype, device: torch.device, attn_impl
     from .stream import stream_load
 
     kern = cpukernel.kernel() if dtype == torch.float32 and device.type == "cpu" else None
-    if kern is None or getattr(AutoConfig.from_pretrained(path), "model_type", None) not in lean.SUPPORTED_TYPES:
+    cfg = AutoConfig.from_pretrained(path) if kern is not None else None
+    if (cfg is None or getattr(cfg, "model_type", None) not in lean.SUPPORTED_TYPES
+            or getattr(cfg, "quantization_config", None)):  # (quantized checkpoints: transformers' own loader)
         return None
     try:
         net = stream_load(path, attn_implementation, place=PanelPacker(kern))

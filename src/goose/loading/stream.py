@@ -31,15 +31,19 @@ def stream_load(path: Path, attn_implementation: str, prepare: Callable[[nn.Modu
         net = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
     if prepare is not None:
         prepare(net)
-    wanted = {n for n, p in net.named_parameters() if p.is_meta}
-    wanted.update(n for n, b in net.named_buffers() if b.is_meta)
+    shapes = {n: tuple(t.shape) for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta}
+    wanted = set(shapes)
     files = sorted(Path(path).glob("*.safetensors"))
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             keys = [k for k in st.keys() if k in wanted]
         for key in keys:
             with safe_open(str(f), framework="pt") as st:  # one mapping per tensor: its pages go with it
-                value = st.get_tensor(key).to(torch.float32)
+                value = st.get_tensor(key)
+            if tuple(value.shape) != shapes[key] or not (value.is_floating_point()):
+                raise GooseError(f"{f.name}: {key} is {value.dtype} {list(value.shape)}, the model needs "
+                                 f"float {list(shapes[key])} (a quantized or foreign checkpoint)")
+            value = value.to(torch.float32)
             if place is None or not place(net, key, value):
                 assign(net, key, value)
             wanted.discard(key)
