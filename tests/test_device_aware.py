@@ -260,3 +260,32 @@ def test_depth_bucket_is_the_first_edge_at_or_above(depth, edges):
     edges = tuple(sorted(edges))
     want = next((i for i, e in enumerate(edges) if depth <= e), len(edges))
     assert depth_bucket(depth, edges) == want
+
+
+def test_candidate_budget_shrinks_with_the_probability_a_node_must_reach(tiny_model):
+    """Under load (a high `min_prob`) the candidate tree is cut to the nodes that could pay: at most
+    1 / min_prob per depth for LOAD_DEPTHS depths; with no threshold it is the full tree."""
+    from goose.engine.methods import LOAD_DEPTHS, LOAD_MIN_BUDGET, load_budget, make_method
+
+    assert load_budget(0.0) is None
+    assert load_budget(0.25) == max(LOAD_MIN_BUDGET, 1 + LOAD_DEPTHS * 4) and load_budget(0.9) == LOAD_MIN_BUDGET
+    assert load_budget(0.25, spine=30) == 31 + LOAD_DEPTHS * 4  # spine nodes that can pay are always built
+    m = make_method("goose", tiny_model.config.vocab_size, None)
+    m._set_cost(CostCurve((1, 4, 64), (10.0, 12.0, 40.0)))
+    m.begin([5, 6, 7, 5, 6, 7, 5, 6] * 4)  # a confident spine: its tree may use up to 100 nodes
+    full = m.candidates(7, 6)
+    assert len(full.tree) > 2 * LOAD_MIN_BUDGET
+    assert len(m.candidates(7, 6, None, min_prob=1e-4).tree) == len(full.tree)
+    cut = m.candidates(7, 6, None, min_prob=0.5)
+    assert 1 < len(cut.tree) <= load_budget(0.5, m.acc.spine_reach(m._kind, 100, 0.5))
+    assert cut.tree.tokens[:4] == full.tree.tokens[:4]  # the same spine first
+
+
+@given(min_prob=st.floats(0.01, 0.99), length=st.integers(0, 40), kind=st.integers(0, 2))
+def test_spine_reach_counts_the_spine_nodes_whose_path_probability_stays_above(min_prob, length, kind):
+    acc = AcceptanceModel(AcceptanceConfig())
+    tree = DraftTree.root(0)
+    tree.add_chain(0, list(range(1, length + 1)), SPINE)
+    probs = path_probs(tree, acc.node_probs(tree, kind)[0])
+    want = next((d for d in range(1, length + 1) if probs[d] < min_prob), length + 1) - 1
+    assert acc.spine_reach(kind, length, min_prob) == want

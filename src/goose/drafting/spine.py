@@ -82,11 +82,12 @@ class _Brancher:
 
 
 def build_spine_tree(anchor: int, prev_anchor: int | None, chain: list[int], confidence: float,
-                     ema: float, adj: AdjacencyTable, cfg: GooseConfig) -> DraftTree:
-    """The GOOSE tree for one step (spec §5); with no chain it is a pure adjacency tree."""
+                     ema: float, adj: AdjacencyTable, cfg: GooseConfig, cap: int | None = None) -> DraftTree:
+    """The GOOSE tree for one step (spec §5); with no chain it is a pure adjacency tree. `cap`: at most this
+    many nodes, root included, whatever the chain's confidence allows."""
     tcfg = cfg.tree
     tree = DraftTree.root(anchor)
-    budget = tree_budget(confidence, cfg)
+    budget = tree_budget(confidence, cfg) if cap is None else max(2, min(cap, tree_budget(confidence, cfg)))
     n_spine = min(len(chain), int(budget * spine_ratio(confidence, ema, tcfg)), budget - 1)
     spine = tree.add_chain(0, chain[:n_spine], SPINE)
     n_spine = len(spine)

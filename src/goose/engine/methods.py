@@ -8,6 +8,7 @@ position) and `commit` (tokens accepted). `observe` sees each verification resul
 from __future__ import annotations
 
 import copy
+import math
 
 from ..config import AdjacencyConfig, GooseConfig, IsotropicConfig, LookaheadConfig, PLDConfig, RestConfig, TRConfig
 from ..drafting.adjacency import AdjacencyTable
@@ -174,6 +175,18 @@ class Isotropic(GoosePaper):
         return build_isotropic_tree(anchor, prev, chain, budget, self.adj, self.iso)
 
 
+LOAD_DEPTHS = 4  # depths of nodes that can pay for their rows, for the candidate budget under load
+LOAD_MIN_BUDGET = 8  # never fewer candidate nodes than this
+
+
+def load_budget(min_prob: float, spine: int = 0) -> int | None:
+    """The most candidate nodes worth building when a node must reach path probability `min_prob` to pay for
+    its row and `spine` spine nodes can: one depth's path probabilities sum to at most 1, so at most
+    1 / min_prob branch nodes per depth can, for LOAD_DEPTHS depths (under load: a few nodes, not a full
+    tree). None: no cap."""
+    return None if min_prob <= 0 else max(LOAD_MIN_BUDGET, 1 + spine + math.ceil(LOAD_DEPTHS / min_prob))
+
+
 class DeviceAwareGoose(GoosePaper):
     """`goose`: a generous spine tree as candidates, verified as the subtree with the best expected
     tokens per millisecond under the device's measured cost curve (n = 1, a plain step, included)."""
@@ -220,7 +233,9 @@ class DeviceAwareGoose(GoosePaper):
         if self._idle:  # (an extended chain is empty exactly when `first`'s is)
             return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
         prop = self.index.propose_extended(self.cfg.ngram, first)
-        cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg)
+        reach = self.acc.spine_reach(self._kind, len(prop.chain), min_prob) if min_prob > 0 else 0
+        cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg,
+                                cap=load_budget(min_prob, reach))
         if max_depth is not None:
             cand = cand.within_depth(max_depth)
         if len(cand) == 1:

@@ -72,6 +72,16 @@ class AcceptanceModel:
         best = max(self.prob(("b", r, 1)) for r in range(self.cfg.max_rank + 1))
         return max(best, self.prob(("s", kind, _spine_bucket(1)))) if spine else best
 
+    def spine_reach(self, kind: int, length: int, min_prob: float) -> int:
+        """How many leading nodes of a spine chain of `length` (match `kind`) keep a path probability of at
+        least `min_prob`."""
+        p = 1.0
+        for d in range(1, length + 1):
+            p *= self.prob(("s", kind, _spine_bucket(d)))
+            if p < min_prob:
+                return d - 1
+        return length
+
     def node_probs(self, tree: DraftTree, kind: int) -> tuple[list[float], list[tuple]]:
         keys = self.keys(tree, kind)
         return [1.0] + [self.prob(k) for k in keys[1:]], keys
