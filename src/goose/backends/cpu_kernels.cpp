@@ -592,6 +592,16 @@ struct Segment {
   const uint8_t* allowed;  // [n, n] or null (causal)
 };
 
+// The softmax numerators of new token i's scores sr [Tv] over segment g (a tree row masks the new tokens it does
+// not see first), in place; returns 1 / their sum. `rest`: scratch of g.n + 16 floats.
+inline float row_softmax(const Segment& g, int64_t i, float* sr, int64_t Tv, float* rest) {
+  if (!g.allowed) return softmax_numerators(sr, Tv);
+  const uint8_t* seen = g.allowed + i * g.n;
+  for (int64_t t = 0; t < g.n; ++t)
+    if (!seen[t]) sr[g.p + t] = -INFINITY;
+  return softmax_numerators(sr, Tv, seen, g.n, rest);
+}
+
 // The new tokens' rotated keys and their values, written into each sequence's cache before any row reads them.
 void write_new_kv(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg) {
   const int64_t row = (H + 2 * Kh) * D;
@@ -645,13 +655,7 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
         default: scores<1>(q.data(), kh, Tv, d, scale, sc.data(), lds); break;
       }
       float inv[kRows];
-      for (int r = 0; r < R; ++r) {
-        float* sr = sc.data() + r * lds;
-        if (g.allowed)
-          for (int64_t t = 0; t < g.n; ++t)
-            if (!g.allowed[i * g.n + t]) sr[g.p + t] = -INFINITY;
-        inv[r] = g.allowed ? softmax_numerators(sr, Tv, g.allowed + i * g.n, g.n, rest.data()) : softmax_numerators(sr, Tv);
-      }
+      for (int r = 0; r < R; ++r) inv[r] = row_softmax(g, i, sc.data() + r * lds, Tv, rest.data());
       float* o = out + (g.row0 + i) * H * D + h0 * D;
       switch (R) {
         case 3: weighted_rows<3>(sc.data(), lds, vh, Tv, d, inv, o, D); break;
@@ -716,16 +720,8 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
       }
       float inv[B];
       for (int r = 0; r < R; ++r) {
-        float* sr = srow[r];
-        if (g.allowed) {
-          const uint8_t* seen = g.allowed + tok[r] * g.n;
-          for (int64_t t = 0; t < g.n; ++t)
-            if (!seen[t]) sr[g.p + t] = -INFINITY;
-          inv[r] = softmax_numerators(sr, Tv[r], seen, g.n, rest.data());
-        } else {
-          inv[r] = softmax_numerators(sr, Tv[r]);
-        }
-        for (int64_t t = Tv[r]; t < Tmax; ++t) sr[t] = 0.0f;  // keys past the row's own add zeros (exactly)
+        inv[r] = row_softmax(g, tok[r], srow[r], Tv[r], rest.data());
+        for (int64_t t = Tv[r]; t < Tmax; ++t) srow[r][t] = 0.0f;  // keys past the row's own add zeros (exactly)
       }
       for (int r0 = 0; r0 < R; r0 += 4) {
         switch (R - r0 < 4 ? R - r0 : 4) {
@@ -739,16 +735,16 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
   }
 }
 
-void attention_best(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg,
-                    float scale, float* out) {
-  attention512(qkv, H, Kh, D, segs, nseg, scale, out);
-}
-#else
-void attention_best(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg,
-                    float scale, float* out) {
-  attention(qkv, H, Kh, D, segs, nseg, scale, out);
-}
 #endif
+
+void attention_best(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg,
+                    float scale, float* out) {
+#ifdef __AVX512F__
+  attention512(qkv, H, Kh, D, segs, nseg, scale, out);
+#else
+  attention(qkv, H, Kh, D, segs, nseg, scale, out);
+#endif
+}
 
 }  // namespace
 

@@ -11,9 +11,10 @@ modules are swapped for ones over the packed data, and the original weights are 
 * `PackedLinear` / `PackedEmbedding` are the `nn.Module`s over them: the Hugging Face forward of such a
   model (``model.generate``, `HFForward`) runs on goose's kernels too, and `LeanForward` adopts the packed
   data as it is (no copy).
-* `pack_float32(model)` does this for a float32 model's projections and output head (`load_model` calls it
-  for every model `LeanForward` runs: the float32 weights are then held once, as panels, instead of the HF
-  copy plus the forward's packed copy). A tied embedding reads its rows from the output head's panels.
+* `PanelPacker` does this for a float32 model's projections and output head, tensor by tensor, as
+  `load_model` reads them (`goose.loading.stream`) for every model `LeanForward` runs: the float32 weights are
+  then held once, as panels, instead of the HF copy plus the forward's packed copy. `pack_float32(model)`
+  does it in place for a model already loaded. A tied embedding reads its rows from the output head's panels.
 * `cat` fuses weights row-wise (QKV, gate/up) with one copy of the data: the parts become views of it, and
   parts that already are consecutive views of one buffer are fused without copying anything.
 
@@ -206,11 +207,11 @@ def fuse_layers(model) -> None:
     for layer in model.model.layers:
         for group in FUSED:
             mods = [getattr(getattr(layer, a), b) for a, b in group]
-            if all(isinstance(m, PackedLinear) for m in mods) and not any(m.weight.n % PANEL for m in mods[:-1]):
+            if all(isinstance(m, PackedLinear) for m in mods):
                 try:
                     cat([m.weight for m in mods])
                 except GooseError:
-                    pass  # other kinds or formats in one group: each stays on its own
+                    pass  # row counts, kinds or formats that cannot share panels: each stays on its own
 
 
 class PanelPacker:
@@ -257,15 +258,18 @@ class PanelPacker:
         if (len(parts) > 1 and all(type(m) is nn.Linear and m.weight.shape[1] == k for m in parts)
                 and not any(m.weight.shape[0] % PANEL for m in parts[:-1])):
             panels = [-(-m.weight.shape[0] // PANEL) for m in parts]
-            data = torch.empty(sum(panels), 2, k, PANEL // 2, dtype=torch.float32)
-            self.bytes += data.numel() * 4
+            data = self._alloc(sum(panels), k)
             at = 0
             for m, p in zip(parts, panels):
                 self._slices[id(m)] = data[at: at + p]
                 at += p
             return self._slices.pop(id(mod))
-        self.bytes += -(-n // PANEL) * PANEL * k * 4
-        return torch.empty(-(-n // PANEL), 2, k, PANEL // 2, dtype=torch.float32)
+        return self._alloc(-(-n // PANEL), k)
+
+    def _alloc(self, panels: int, k: int) -> torch.Tensor:
+        data = torch.empty(panels, 2, k, PANEL // 2, dtype=torch.float32)
+        self.bytes += data.numel() * data.element_size()
+        return data
 
 
 def _path_of(net: nn.Module, module: nn.Module) -> str:
@@ -280,12 +284,11 @@ def _replace(net: nn.Module, path: str, module: nn.Module) -> None:
 def pack_float32(model, kernels: CpuKernels) -> int:
     """Swap the float32 ``nn.Linear`` modules of `model` (its projections and output head) for `PackedLinear`
     modules over `PanelWeight` panels, each original weight released before the next is packed; a tied
-    embedding reads its rows from the output head's panels (`PanelPacker`). q/k/v and gate/up are then fused
-    (`fuse_layers`). Returns the bytes now held as panels. (`load_model` reads the weights straight into
-    panels instead, `goose.loading.stream`, so that the file's float32 copy is never held beside them.)"""
+    embedding reads its rows from the output head's panels, and q/k/v and gate/up land fused (`PanelPacker`).
+    Returns the bytes now held as panels. (`load_model` reads the weights straight into panels instead,
+    `goose.loading.stream`, so that the file's float32 copy is never held beside them.)"""
     packer = PanelPacker(kernels)
     for name, mod in list(model.named_modules()):
         if type(mod) is nn.Linear and mod.weight.dtype == torch.float32 and mod.weight.device.type == "cpu":
             packer(model, f"{name}.weight", mod.weight)
-    fuse_layers(model)
     return packer.bytes

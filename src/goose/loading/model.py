@@ -228,8 +228,9 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     memory reads); "float32" the dequantized weights; None (default) "gguf" where it applies, else float32.
 
     `pack` (float32 weights on a CPU where goose's kernel runs, models `LeanForward` runs): hold the projections
-    and the output head once, as goose's float32 panels (`goose.backends.packed.pack_float32`; the model's
-    `nn.Linear` modules become `PackedLinear`, so ``model.generate`` multiplies on goose's kernel too). False
+    and the output head once, as goose's float32 panels, read straight into them (`goose.loading.stream`,
+    `goose.backends.packed.PanelPacker`; the model's `nn.Linear` modules become `PackedLinear`, so
+    ``model.generate`` multiplies on goose's kernel too). False
     keeps Hugging Face's modules and kernels; goose's forward then packs a second copy of those weights."""
     if attn_implementation not in SUPPORTED_ATTENTION:
         raise GooseError(f"attention implementation '{attn_implementation}' ignores custom tree masks; "
@@ -262,7 +263,7 @@ def _load_packed(path: Path, dtype: torch.dtype, device: torch.device, attn_impl
     from transformers import AutoConfig
 
     from ..backends import cpukernel, lean
-    from ..backends.packed import PanelPacker, fuse_layers
+    from ..backends.packed import PanelPacker
     from .stream import stream_load
 
     kern = cpukernel.kernel() if dtype == torch.float32 and device.type == "cpu" else None
@@ -271,11 +272,9 @@ def _load_packed(path: Path, dtype: torch.dtype, device: torch.device, attn_impl
             or getattr(cfg, "quantization_config", None)):  # (quantized checkpoints: transformers' own loader)
         return None
     try:
-        net = stream_load(path, attn_implementation, place=PanelPacker(kern))
+        return stream_load(path, attn_implementation, place=PanelPacker(kern))  # (q/k/v, gate/up land fused)
     except GooseError:  # (transformers' own loader knows more checkpoint layouts)
         return None
-    fuse_layers(net)
-    return net
 
 
 def _pack_rest(net) -> None:
