@@ -220,6 +220,77 @@ def test_tree_node_logits_are_the_plain_steps_bits_float32(llama32, seed, n, pre
             assert torch.equal(tree[i], last), (i, root_path(parents, i))
 
 
+def play_segments(fwd, seed: int, steps: int = 6) -> list[torch.Tensor]:
+    """Random multi-sequence forwards (`LeanForward.run`): 1-4 sequences per call, each a causal run or a tree on
+    its own cache, a random path kept after each call; returns every call's logits."""
+    from goose.backends.lean import Segment
+
+    rng = random.Random(seed)
+    caches = [fwd.new_cache() for _ in range(4)]
+    outs = []
+    with torch.inference_mode():
+        fwd.run([Segment(c, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]) for c in caches])
+        for _ in range(steps):
+            segs, keeps = [], []
+            for c in rng.sample(caches, rng.randint(1, 4)):
+                n = rng.choice([1, 1, 2, 3, 5, 9])
+                tokens = [rng.randrange(VOCAB) for _ in range(n)]
+                if rng.random() < 0.4:
+                    segs.append(Segment(c, tokens))
+                    keeps.append(list(range(rng.randint(1, n))))
+                else:
+                    parents = random_tree(rng, n)
+                    allowed, depths = tree_tensors(parents)
+                    segs.append(Segment(c, tokens, depths, allowed))
+                    keeps.append(root_path(parents, rng.randrange(n)))
+            outs.extend(t.clone() for t in fwd.run(segs))
+            for seg, keep in zip(segs, keeps):
+                seg.cache.keep(keep)
+    return outs
+
+
+@pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
+@pytest.mark.parametrize("bias", [False, True])
+def test_layer_plan_is_bit_identical_to_per_layer_calls(bias):
+    """All decoder layers in one kernel call (`CpuKernels.layer_plan`) give the bits of calling each layer's
+    projections and attention from Python, for single and multi-sequence forwards, chains and trees."""
+    extra = {"attention_bias": True, "mlp_bias": True} if bias else {}
+    model = tiny_llama(torch.float32, seed=3, scale=1.0, **extra)
+    planned, stepped = LeanForward(model), LeanForward(model)
+    assert planned.plan is not None
+    stepped.plan = None
+    for seed in range(3):
+        for a, b in zip(play_segments(planned, seed), play_segments(stepped, seed), strict=True):
+            assert torch.equal(a, b)
+    script = call_script(7, steps=8, prompt_len=25)
+    for a, b in zip(play(planned, script), play(stepped, script), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
+def test_layer_plan_refuses_mismatched_input(llama32):
+    fwd = LeanForward(llama32)
+    steps = [fwd.attn_kernel.attention_step(fwd.n_heads, torch.zeros(2, fwd.head_dim), torch.zeros(2, fwd.head_dim),
+                                             _cache(fwd), 0, None, fwd.scale)]
+    batch = fwd.attn_kernel.attention_batch(steps)
+    with pytest.raises(ValueError, match="x must be"):
+        fwd.plan(torch.zeros(2, 3), batch)
+    with pytest.raises(ValueError, match="x must be"):
+        fwd.plan(torch.zeros(2, 64, dtype=torch.float64), batch)
+    with pytest.raises(ValueError, match="attention batch"):
+        fwd.plan(torch.zeros(3, 64), batch)  # 3 rows, the batch has 2
+    first = fwd.layers[0]
+    with pytest.raises(ValueError, match="chain"):
+        fwd.attn_kernel.layer_plan([(first.ln1, first.eps1, first.ln2, first.eps2,
+                                     first.qkv.op(), first.o.op(), first.down.op(), first.gate_up.op())])
+
+
+def _cache(fwd) -> torch.Tensor:
+    cache = fwd.new_cache()
+    cache.reset()
+    return cache.kv
+
+
 # ---- (3) lossless: every method equals greedy generate ------------------------------------------------------
 prompts = st.one_of(
     st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=40),  # random

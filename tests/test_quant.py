@@ -14,7 +14,7 @@ from goose.backends import cpukernel, packed, quant
 from goose.backends.lean import LeanForward
 from goose.errors import GooseError
 from goose.loading.model import gguf_source
-from test_lean import call_script, play, tiny_llama
+from test_lean import call_script, play, play_segments, tiny_llama
 
 VARIANTS = quant.runnable_variants()
 needs_quant = pytest.mark.skipif(not VARIANTS or quant.kernels() is None,
@@ -179,6 +179,11 @@ def test_lean_forward_on_blocks_equals_float32_twin_bit_for_bit(fmt):
     assert "gguf" in fq.backend and "gguf" not in ff.backend
     script = call_script(4, steps=8, prompt_len=20)
     for a, b in zip(play(fq, script), play(ff, script)):
+        assert torch.equal(bits(a), bits(b))
+    assert fq.plan is not None  # all layers in one kernel call, which gives the per-layer calls' bits
+    stepped = LeanForward(qmodel)
+    stepped.plan = None
+    for a, b in zip(play_segments(fq, 5), play_segments(stepped, 5), strict=True):
         assert torch.equal(bits(a), bits(b))
     # the HF forward runs on the blocks too (through PackedLinear / PackedEmbedding)
     ids = torch.tensor([[3, 9, 27, 81 % 128, 5]])

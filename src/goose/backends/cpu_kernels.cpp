@@ -517,7 +517,7 @@ inline void weighted512_cols(const float* const* e, const float* v, int64_t T, i
 
 extern "C" {
 
-int goose_kernels_abi(void) { return 7; }
+int goose_kernels_abi(void) { return 8; }
 
 #ifdef __AVX512F__
 int goose_kernels_isa(void) { return 512; }
@@ -778,6 +778,54 @@ void goose_attention_batch(const float* qkv, int64_t H, int64_t Kh, int64_t D, i
                       cache, cache + Kh * e[5] * D, e[5], e[6], reinterpret_cast<const uint8_t*>(e[7])};
   }
   attention_best(qkv, H, Kh, D, segs.data(), nseg, scale, out);
+}
+
+// The decoder layers of one forward, all in one call (no interpreter between the ~5 kernel calls of each
+// layer): for every layer l, with x [M, hid] the residual stream (updated in place),
+//   qkv = qkv_proj(RMSNorm_ln1(x)); att = attention (goose_attention_batch, layer l, over desc's segments);
+//   x += o_proj(att); gu = gate_up_proj(RMSNorm_ln2(x)); x += down_proj(silu(gu[:, :I]) * gu[:, I:]).
+// Each projection is the plan's goose_linear (fmt < 0: float32 panels) or goose_quant_linear (fmt: its
+// format code) with the arguments the per-layer calls pass, so the results are bit-identical to them.
+// qkv, att and gu are scratch buffers of [M, (H + 2 Kh) D], [M, H D] and [M, 2 I] floats.
+struct PlanLinear {
+  const void* fn;  // goose_linear or goose_quant_linear (any library built from this project)
+  int64_t fmt;     // -1: float32 panels; else the quantized format code
+  const void* w;   // the packed weight
+  int64_t n, k;    // outputs; inputs (of the ungated input)
+  const float* bias;  // padded to whole panels, or null
+};
+struct PlanLayer {
+  const float* ln1;
+  const float* ln2;
+  float eps1, eps2;
+  PlanLinear qkv, o, gate_up, down;
+};
+typedef void (*FloatLinearFn)(const float*, int64_t, int64_t, const float*, int64_t, const float*, float*,
+                              const float*, float, int, int);
+typedef void (*QuantLinearFn)(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, const float*, float*,
+                              const float*, float, int, int);
+
+static void plan_linear(const PlanLinear& op, const float* x, int64_t M, float* y, const float* norm, float eps,
+                        int gated, int accumulate) {
+  if (op.fmt < 0)
+    reinterpret_cast<FloatLinearFn>(const_cast<void*>(op.fn))(x, M, op.k, static_cast<const float*>(op.w), op.n,
+                                                               op.bias, y, norm, eps, gated, accumulate);
+  else
+    reinterpret_cast<QuantLinearFn>(const_cast<void*>(op.fn))(static_cast<int>(op.fmt), x, M, op.k,
+                                                               static_cast<const uint8_t*>(op.w), op.n, op.bias, y,
+                                                               norm, eps, gated, accumulate);
+}
+
+void goose_layers(const PlanLayer* plan, int64_t layers, float* x, int64_t M, float* qkv, float* att, float* gu,
+                  int64_t H, int64_t Kh, int64_t D, int64_t nseg, const int64_t* desc, float scale) {
+  for (int64_t l = 0; l < layers; ++l) {
+    const PlanLayer& P = plan[l];
+    plan_linear(P.qkv, x, M, qkv, P.ln1, P.eps1, 0, 0);
+    goose_attention_batch(qkv, H, Kh, D, nseg, desc, l, scale, att);
+    plan_linear(P.o, att, M, x, nullptr, 0.0f, 0, 1);
+    plan_linear(P.gate_up, x, M, gu, P.ln2, P.eps2, 0, 0);
+    plan_linear(P.down, gu, M, x, nullptr, 0.0f, 1, 1);
+  }
 }
 
 // The k largest values of each row of x [n, V] (row stride ldx) in descending order, ties to the lower

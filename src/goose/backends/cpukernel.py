@@ -58,7 +58,7 @@ VARIANTS = {
 }
 ORDER = ("avx512", "avx2")
 PANEL = 16  # output columns per packed panel (must match kPanel in the source)
-ABI = 7  # goose_kernels_abi() of this version of the source
+ABI = 8  # goose_kernels_abi() of this version of the source
 ENV_SWITCH = "GOOSE_CPU_KERNEL"
 ENV_VARIANT = "GOOSE_KERNEL_VARIANT"
 
@@ -208,6 +208,12 @@ class CpuKernels:
         self._attn_batch.restype = None
         self._attn_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
+        self._layers = lib.goose_layers
+        self._layers.restype = None
+        self._layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
+        self._linear_address = ctypes.cast(lib.goose_linear, ctypes.c_void_p).value
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -292,6 +298,20 @@ class CpuKernels:
         self._fn(x.data_ptr(), m, k_in, packed.data_ptr(), n, None if bias is None else bias.data_ptr(), y.data_ptr(),
                  None if nw is None else nw.data_ptr(), eps, int(gated), int(out is not None))
         return y
+
+    def op(self, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> "PlanOp":
+        """A projection of a `layer_plan`: `linear` against this packed weight and bias (checked here once)."""
+        _check(packed, "op: packed weight", dims=4, contiguous=True)
+        panels, two, k_in, half = packed.shape
+        if two != 2 or half != PANEL // 2 or not (panels - 1) * PANEL < n <= panels * PANEL:
+            raise ValueError(f"op: packed weight of shape {list(packed.shape)} does not hold {n} outputs")
+        return PlanOp(self._linear_address, -1, packed, n, k_in, bias)
+
+    def layer_plan(self, layers: list[tuple]) -> "LayerPlan":
+        """Decoder layers run by one call per forward (``goose_layers`` in the source): each entry is
+        ``(ln1 [hid], eps1, ln2 [hid], eps2, qkv, o, gate_up, down)``, the last four `PlanOp`s (from this
+        kernel's or the quantized kernel's `op`)."""
+        return LayerPlan(self._layers, layers)
 
     def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest values of each row of ``x [n, V]`` (float32, CPU, unit stride along rows), in
@@ -407,6 +427,79 @@ class AttentionBatch:
         self._fn(qkv.data_ptr(), *self._heads, len(self._steps), self._desc.data_ptr(), layer, self._scale,
                  out.data_ptr())
         return out
+
+
+class PlanOp:
+    """One projection of a `LayerPlan`: the kernel function's address, its format code (-1: float32 panels),
+    the packed weight (kept alive here), its outputs and inputs, and the padded bias (or None)."""
+
+    __slots__ = ("fn", "fmt", "weight", "n", "k", "bias")
+
+    def __init__(self, fn: int, fmt: int, weight: torch.Tensor, n: int, k: int, bias: torch.Tensor | None) -> None:
+        padded = -(-n // PANEL) * PANEL
+        if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() != 1
+                                 or bias.numel() < padded or not bias.is_contiguous()):
+            raise ValueError(f"op: bias must be a contiguous float32 CPU tensor of at least {padded} values (padded)")
+        self.fn, self.fmt, self.weight, self.n, self.k, self.bias = fn, fmt, weight, n, k, bias
+
+
+class _PlanLinear(ctypes.Structure):
+    _fields_ = [("fn", ctypes.c_void_p), ("fmt", ctypes.c_int64), ("w", ctypes.c_void_p), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64), ("bias", ctypes.c_void_p)]
+
+
+class _PlanLayer(ctypes.Structure):
+    _fields_ = [("ln1", ctypes.c_void_p), ("ln2", ctypes.c_void_p), ("eps1", ctypes.c_float),
+                ("eps2", ctypes.c_float), ("qkv", _PlanLinear), ("o", _PlanLinear), ("gate_up", _PlanLinear),
+                ("down", _PlanLinear)]
+
+
+class LayerPlan:
+    """``plan(x, batch)``: every decoder layer of one forward on the residual stream ``x [M, hid]`` (in
+    place), attention by ``batch`` (an `AttentionBatch` of the forward's segments), in one kernel call;
+    bit-identical to calling each layer's projections and attention in turn (see `CpuKernels.layer_plan`)."""
+
+    def __init__(self, fn, layers: list[tuple]) -> None:
+        if not layers:
+            raise ValueError("layer_plan: no layers")
+        hid = layers[0][4].k
+        qkv_n, inter = layers[0][4].n, layers[0][7].k
+        table = (_PlanLayer * len(layers))()
+        keep = []
+        for entry, (ln1, eps1, ln2, eps2, *ops) in zip(table, layers):
+            qkv, o, gate_up, down = ops
+            if (qkv.k != hid or o.n != hid or gate_up.k != hid or down.n != hid or qkv.n != qkv_n
+                    or gate_up.n != 2 * inter or down.k != inter):
+                raise ValueError("layer_plan: the layers' projections do not chain (hid -> qkv, o -> hid, "
+                                 "hid -> 2 I, I -> hid)")
+            for norm in (ln1, ln2):
+                _check(norm, "layer_plan: norm weight", dims=1, contiguous=True)
+                if norm.shape[0] != hid:
+                    raise ValueError(f"layer_plan: a norm weight has {norm.shape[0]} entries, not {hid}")
+            entry.ln1, entry.ln2, entry.eps1, entry.eps2 = ln1.data_ptr(), ln2.data_ptr(), float(eps1), float(eps2)
+            for name, op in zip(("qkv", "o", "gate_up", "down"), ops):
+                setattr(entry, name, _PlanLinear(op.fn, op.fmt, op.weight.data_ptr(), op.n, op.k,
+                                                 None if op.bias is None else op.bias.data_ptr()))
+            keep.append((ln1, ln2, *ops))
+        self._fn, self._table, self._keep = fn, table, keep
+        self.layers, self.hidden, self.qkv_width, self.intermediate = len(layers), hid, qkv_n, inter
+
+    def __call__(self, x: torch.Tensor, batch: "AttentionBatch") -> torch.Tensor:
+        m = x.shape[0] if x.dim() == 2 else -1
+        if (x.dim() != 2 or x.shape[1] != self.hidden or not x.is_contiguous() or x.dtype != torch.float32
+                or x.device.type != "cpu"):
+            raise ValueError(f"layer plan: x must be a contiguous float32 CPU [M, {self.hidden}] tensor")
+        h, kh, d = batch._heads
+        if batch.layers != self.layers or batch._shape != (m, self.qkv_width) or self.qkv_width != (h + 2 * kh) * d:
+            raise ValueError("layer plan: the attention batch does not match the plan's layers or rows")
+        qkv = torch.empty(m, self.qkv_width, dtype=torch.float32)
+        att = torch.empty(batch._out, dtype=torch.float32)
+        if att.shape[1] != self._keep[0][3].k:
+            raise ValueError("layer plan: the attention output does not match the output projection")
+        gu = torch.empty(m, 2 * self.intermediate, dtype=torch.float32)
+        self._fn(ctypes.addressof(self._table), self.layers, x.data_ptr(), m, qkv.data_ptr(), att.data_ptr(),
+                 gu.data_ptr(), h, kh, d, len(batch._steps), batch._desc.data_ptr(), batch._scale)
+        return x
 
 
 def _check_layer_input(layer: int, layers: int, qkv, shape: tuple[int, int]) -> None:

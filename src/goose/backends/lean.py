@@ -190,6 +190,10 @@ class _Linear:
         y = self._mul(x)
         return y if out is None else out.add_(y)
 
+    def op(self):
+        """This projection as a step of goose's layer plan (`CpuKernels.layer_plan`), or None (PyTorch's kernels)."""
+        return None if self.kernel is None else self.kernel.op(self.packed, self.out, self.bias)
+
     def _mul(self, x: torch.Tensor) -> torch.Tensor:  # x [n, in] contiguous -> [n, out]
         if self.wt is not None and x.shape[0] == 1:
             return torch.mm(x, self.wt) if self.bias is None else torch.addmm(self.bias, x, self.wt)
@@ -294,9 +298,22 @@ class LeanForward:
                             if isinstance(lin.packed, QuantWeight)})
         if quantized:  # GGUF blocks on goose's quantized kernels (`goose.backends.quant`)
             self.backend += f"+gguf-{'-'.join(quantized)}-{self.layers[0].qkv.kernel.variant}"
+        # every layer in one kernel call per forward (goose's kernels for all of it; qwen3's q/k norms run in PyTorch)
+        self.plan = self._layer_plan()
         self.cache = self.new_cache()  # the cache of the single-sequence API (reset / __call__ / keep)
         # the weights this forward copied, packed or adopted (taken after fusing: `cat` may re-point them)
         self.fingerprint = weights_fingerprint(model)
+
+    def _layer_plan(self) -> cpukernel.LayerPlan | None:
+        if self.attn_kernel is None or any(L.qk_norm is not None for L in self.layers):
+            return None
+        entries = []
+        for L in self.layers:
+            ops = [lin.op() for lin in (L.qkv, L.o, L.gate_up, L.down)]
+            if any(op is None for op in ops):
+                return None
+            entries.append((L.ln1.contiguous(), L.eps1, L.ln2.contiguous(), L.eps2, *ops))
+        return self.attn_kernel.layer_plan(entries)
 
     # ---- caches ------------------------------------------------------------------------------------
     def new_cache(self) -> "LeanCache":
@@ -363,8 +380,10 @@ class LeanForward:
             attends = [self._torch_attention(s, cos[a:b], sin[a:b], p) for s, (a, b, p) in zip(segments, spans)]
         H, K, D = self.n_heads, self.n_kv, self.head_dim
         one = len(segments) == 1
-        batch = None if one or self.attn_kernel is None else self.attn_kernel.attention_batch(attends)
-        for li, L in enumerate(self.layers):
+        batch = None if self.attn_kernel is None or (one and self.plan is None) else self.attn_kernel.attention_batch(attends)
+        if self.plan is not None:  # all layers in one kernel call
+            self.plan(x, batch)
+        for li, L in enumerate(self.layers if self.plan is None else ()):
             qkv = L.qkv(x, norm=(L.ln1, L.eps1))  # [N, (H + 2K) * D], of RMSNorm(x)
             if L.qk_norm is not None:  # qwen3: per-head q/k RMSNorm, before RoPE
                 qw, qe, kw, ke = L.qk_norm

@@ -115,6 +115,15 @@ class QuantKernels:
                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
                              ctypes.c_int, ctypes.c_int]
 
+    def op(self, packed: "QuantWeight", n: int, bias: torch.Tensor | None):
+        """A projection of a `CpuKernels.layer_plan`: `linear` against this packed weight (checked here once)."""
+        if not isinstance(packed, QuantWeight) or n != packed.n:
+            raise ValueError("op: packed must be a QuantWeight of n rows")
+        if packed.data.numel() != self.packed_bytes(packed.fmt, packed.n, packed.k) or not packed.data.is_contiguous():
+            raise ValueError("the packed weight has the wrong size")
+        return cpukernel.PlanOp(ctypes.cast(self._fn, ctypes.c_void_p).value, FORMATS[packed.fmt][0], packed.data, n, packed.k,
+                      bias)
+
     def packed_bytes(self, fmt: str, n: int, k: int) -> int:
         return int(self._bytes(FORMATS[fmt][0], n, k))
 
