@@ -99,6 +99,23 @@ def test_models_and_health(client, url):
     assert status == 200 and json.loads(body)["status"] == "ok"
 
 
+def test_a_repeated_system_prompt_is_prefilled_once(client, worded):
+    """The second request with the same long system prompt takes its keys and values from the engine's prefix
+    cache (usage.prompt_tokens_details.cached_tokens) and still answers exactly the greedy tokens."""
+    _, tok = worded
+    system = "You are a careful assistant. Answer in one short sentence, and never use lists. " * 3
+    answers = []
+    for question in ("What is a goose?", "What is a duck?"):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        ids = encode_chat(tok, messages)
+        assert r.model_extra["goose"]["completion_token_ids"] == greedy_text(worded, ids, 12)[0]
+        answers.append((len(ids), r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+    (n1, p1, c1), (n2, p2, c2) = answers
+    assert (p1, p2) == (n1, n2) and c2 >= len(encode_chat(tok, [{"role": "system", "content": system}])) - 16
+    assert c2 % 8 == 0 and c2 < p2
+
+
 @pytest.mark.parametrize("speculative", [None, "off", "pld"])
 def test_chat_completion_equals_greedy_decoding(client, worded, speculative):
     _, tok = worded
@@ -368,7 +385,7 @@ def test_metrics_after_requests(client, url):
                  'goose_accepted_tokens_total{source="spine"}', 'goose_drafted_tokens_total{source="branch"}',
                  "goose_request_tau_bucket", "goose_time_to_first_token_seconds_bucket",
                  "goose_time_per_output_token_seconds_bucket", "goose_batch_size_bucket", "goose_requests_running",
-                 "goose_requests_waiting", "goose_forward_calls_total"):
+                 "goose_requests_waiting", "goose_forward_calls_total", "goose_prompt_tokens_cached_total"):
         assert name in text, name
 
 

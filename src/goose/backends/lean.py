@@ -519,6 +519,26 @@ class LeanCache:
         kv[:, :, :, : self._len] = self.kv[:, :, :, : self._len]
         self.kv = kv
 
+    def entries(self, start: int, end: int) -> torch.Tensor:
+        """The cached keys and values of positions start..end-1: a view ``[layers, 2, K, end - start, D]``."""
+        if not 0 <= start <= end <= self._len:
+            raise GooseError(f"cache positions {start}..{end} are not all filled ({self._len} are)")
+        return self.kv[:, :, :, start:end]
+
+    @torch.inference_mode()
+    def write_prefix(self, kv: torch.Tensor) -> None:
+        """Make ``kv [layers, 2, K, n, D]`` (entries computed for the first n tokens of this sequence) the whole
+        cache."""
+        if self.kv is None:
+            self.reset()
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != self.shape or kv.dtype != self.dtype:
+            raise GooseError(f"cache entries of shape {list(kv.shape)} / {kv.dtype} do not fit this cache")
+        n = kv.shape[3]
+        self._len = 0
+        self.reserve(n)
+        self.kv[:, :, :, :n] = kv
+        self._prefix = self._len = n
+
     def appended(self, prefix: int, n: int) -> None:
         """A forward wrote n entries after `prefix`."""
         self._prefix, self._len = prefix, prefix + n

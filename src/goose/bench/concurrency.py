@@ -22,6 +22,7 @@ from pathlib import Path
 from .. import cachefs
 from ..config import DecodeConfig
 from ..decoding import Decoder, encode
+from ..engine.prefix import DEFAULT_PREFIX_CACHE_MB
 from ..engine.scheduler import Engine
 
 
@@ -48,8 +49,8 @@ def cpu_name() -> str:
 
 
 def run_method(model, tok, method: str, prompts: list[list[int]], max_new: int, concurrency: int,
-               rate: float | None, seed: int, options: dict) -> dict:
-    with Engine(model, tok, method, max_batch=concurrency) as eng:
+               rate: float | None, seed: int, options: dict, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> dict:
+    with Engine(model, tok, method, max_batch=concurrency, prefix_cache_mb=prefix_cache_mb) as eng:
         rng = random.Random(seed)
         t0 = time.perf_counter()
         reqs = []
@@ -68,25 +69,27 @@ def run_method(model, tok, method: str, prompts: list[list[int]], max_new: int, 
             "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
             "tpot_p50_s": percentile(tpot, 50), "tpot_p95_s": percentile(tpot, 95),
             "tau": tokens / calls if calls else 0.0, "mean_batch": statistics.fmean(sizes) if sizes else 0.0,
-            "outputs": [r.token_ids for r in results]}
+            "cached_tokens": sum(r.stats.cached_tokens for r in results),
+            "prompt_tokens": sum(len(p) for p in prompts), "outputs": [r.token_ids for r in results]}
 
 
 def run(model, tok, questions, methods: list[str], max_new: int, concurrency: int, rate: float | None, chat: bool,
-        out: Path, options: dict, seed: int = 0) -> Path:
+        out: Path, options: dict, seed: int = 0, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> Path:
     prompts = [encode(tok, q.turns[0], chat) for q in questions]
     ref_dec = Decoder(model, tok, "ar")
     refs = [ref_dec.generate_ids(p, DecodeConfig(max_new_tokens=max_new, **options))[0] for p in prompts]
     rows = []
     for m in methods:
         print(f"bench: {m} at concurrency {concurrency} ({len(prompts)} requests)", file=sys.stderr)
-        row = run_method(model, tok, m, prompts, max_new, concurrency, rate, seed, options)
+        row = run_method(model, tok, m, prompts, max_new, concurrency, rate, seed, options, prefix_cache_mb)
         row["identical"] = sum(o == r for o, r in zip(row.pop("outputs"), refs))
         rows.append(row)
     from ..backends.quant import weights_kind
 
     meta = {"cpu": cpu_name(), "concurrency": concurrency, "rate": rate, "max_new_tokens": max_new,
             "requests": len(prompts), "chat": chat, "sampling": options or None,
-            "threads": __import__("torch").get_num_threads(), "weights": weights_kind(model)}
+            "threads": __import__("torch").get_num_threads(), "weights": weights_kind(model),
+            "prefix_cache_mb": prefix_cache_mb}
     out.mkdir(parents=True, exist_ok=True)
     cachefs.write_text(out / "concurrency.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = render(meta, rows)
@@ -99,13 +102,14 @@ def render(meta: dict, rows: list[dict]) -> str:
     arrivals = f"Poisson, {meta['rate']}/s" if meta["rate"] else "all at once"
     lines = [f"Concurrency {meta['concurrency']} ({arrivals}), {meta['requests']} requests x "
              f"{meta['max_new_tokens']} new tokens, {meta.get('weights', '?')} weights, {meta['threads']} threads, "
-             f"CPU: {meta['cpu']}", "",
+             f"prefix cache {meta.get('prefix_cache_mb', DEFAULT_PREFIX_CACHE_MB):g} MiB, CPU: {meta['cpu']}", "",
              "| method | tokens/s | vs ar | TTFT p50 / p95 (s) | TPOT p50 / p95 (ms) | τ | requests per forward | "
-             "identical to ar alone |", "|---|---|---|---|---|---|---|---|"]
+             "prompt tokens cached | identical to ar alone |", "|---|---|---|---|---|---|---|---|---|"]
     ar = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
     for r in rows:
         vs = f"{r['tokens_per_s'] / ar:.2f}x" if ar else "-"
         lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {vs} | {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} | "
                      f"{r['tpot_p50_s'] * 1e3:.1f} / {r['tpot_p95_s'] * 1e3:.1f} | {r['tau']:.2f} | "
-                     f"{r['mean_batch']:.2f} | {r['identical']}/{r['requests']} |")
+                     f"{r['mean_batch']:.2f} | {r.get('cached_tokens', 0)}/{r.get('prompt_tokens', '?')} | "
+                     f"{r['identical']}/{r['requests']} |")
     return "\n".join(lines) + "\n"

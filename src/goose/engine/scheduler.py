@@ -22,7 +22,8 @@ from ..decoding import GenerationResult, context_limit, decode_config, default_f
     text_pieces
 from ..errors import GooseError
 from .methods import Method, make_method
-from .step import Slot, step
+from .prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache
+from .step import DECODE, Slot, step
 
 _END = object()  # end of a request's block queue
 
@@ -148,6 +149,11 @@ class Engine:
     requests beyond which `submit` raises GooseError (None: unbounded). `prefill_chunk`: prompt tokens all
     prefilling requests may add in one step (None: each request's ``prefill_chunk`` option, 512 by default).
 
+    `prefix_cache_mb`: room for the keys and values of prompts (and finished requests' outputs) that later
+    requests starting with the same tokens reuse instead of prefilling them again (`goose.engine.prefix`;
+    whole blocks of 8 tokens, least recently used dropped first; 0 turns it off; only on goose's kernels,
+    where reuse gives the same bits).
+
     `thread`: True (default) runs the step loop on a background thread of the engine's own; False leaves it
     to the caller: `run()` runs it on the calling thread until `close()`. torch's OpenMP runtime (libgomp)
     keeps a team of worker threads per thread that ran torch work, and once the process holds more such
@@ -159,11 +165,14 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, method: str | Method = "goose", max_batch: int = 8, config=None,
                  *, forward=None, max_queue: int | None = None, prefill_chunk: int | None = None,
-                 thread: bool = True) -> None:
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, thread: bool = True) -> None:
         if max_batch < 1:
             raise GooseError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue is not None and max_queue < 0:
             raise GooseError(f"max_queue must be >= 0, got {max_queue}")
+        if not prefix_cache_mb >= 0:
+            raise GooseError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
+        self.prefixes = PrefixCache(int(prefix_cache_mb * 2**20))  # the step loop's own (see goose.engine.prefix)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self._own_forward = forward is None
@@ -334,10 +343,16 @@ class Engine:
             self._check_weights()
         with self._cond:
             self._running = [r for r in self._running if not r.done]
+            admitted = []
             while self._waiting and len(self._running) < self.max_batch:
                 self._running.append(self._waiting.popleft())
-                self._running[-1].slot.begin()
+                admitted.append(self._running[-1].slot)
             running = list(self._running)
+        reuse = self.prefixes.max_bytes > 0 and PrefixCache.supports(self.forward)
+        for s in admitted:
+            s.begin()
+            if reuse:
+                s.reuse_prefix(self.prefixes.attach(s.prompt, s.cache))
         for r in running:
             if r._cancel.is_set():
                 r._finish("cancelled")
@@ -352,6 +367,8 @@ class Engine:
             self.batch_sizes.append(len(running))
             if any(r.slot.done for r in running if not r.done):  # none finishes on weights that changed under it
                 self._check_weights()
+            if reuse:
+                self._store_prefixes(running)
             for r in running:
                 if r.done:
                     continue
@@ -370,6 +387,17 @@ class Engine:
             self._running = [r for r in self._running if not r.done]
         return True
 
+    def _store_prefixes(self, running: list[Request]) -> None:
+        """Prompts whose prefill just ended, and finished requests' prompt + output, into the prefix cache."""
+        for r in running:
+            s = r.slot
+            if r.done or r.error is not None:  # failed or cancelled in this step
+                continue
+            if s.done:
+                self.prefixes.store(s.prompt + s.out, s.cache)
+            elif s.state == DECODE and len(s.out) == len(s.new) and s.new:  # its first step after the prefill
+                self.prefixes.store(s.prompt, s.cache)
+
     def _check_weights(self) -> None:
         """When the model's weights changed, the running requests fail (their caches hold keys and values of
         the old weights); the waiting ones decode with a forward built from the new weights, or fail when the
@@ -378,6 +406,7 @@ class Engine:
         stale = getattr(self.forward, "stale", None)
         if stale is None or not stale():
             return
+        self.prefixes.clear()  # entries of the old weights
         with self._cond:
             for r in self._running:
                 r._finish("error", GooseError("the model's weights changed while this request was decoded"))

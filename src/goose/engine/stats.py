@@ -16,6 +16,7 @@ class Stats:
     forward_calls: int = 0  # prefill counts as one call producing one token
     wall_time_s: float = 0.0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the engine's prefix cache
     drafted: dict[str, int] = field(default_factory=lambda: {"spine": 0, "branch": 0})
     accepted: dict[str, int] = field(default_factory=lambda: {"spine": 0, "branch": 0})
     spine_continuations: int = 0  # steps where both spine and branch tokens were accepted

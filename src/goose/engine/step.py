@@ -92,6 +92,16 @@ class Slot:
         self.cache.reset()
         self.method.start()
 
+    def reuse_prefix(self, n: int) -> None:
+        """The cache already holds the entries of the prompt's first `n` tokens (`goose.engine.prefix`): the
+        prefill starts after them."""
+        if n <= 0:
+            return
+        if not n < len(self.prompt) or self.cache.length != n:
+            raise GooseError(f"a reused prefix of {n} tokens must leave prompt tokens to prefill and fill the cache")
+        self.filled, self.prev = n, self.prompt[n - 1]
+        self.stats.cached_tokens = n
+
     @property
     def done(self) -> bool:
         return self.state == DONE

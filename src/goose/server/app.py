@@ -323,7 +323,8 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
     def usage(req) -> dict:
         st = req.slot.stats
         return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.new_tokens,
-                "total_tokens": st.prompt_tokens + st.new_tokens}
+                "total_tokens": st.prompt_tokens + st.new_tokens,
+                "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
 
     def failure(req) -> ApiError:
         err = req.error
@@ -473,7 +474,8 @@ def tune_malloc(arenas: int = MALLOC_ARENAS, mmap_threshold: int = MMAP_THRESHOL
 def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
           max_queue: int = 64, api_key: str | None = None, dtype: str = "float32", device: str = "cpu",
           served_name: str | None = None, drain_timeout: float = 30.0, max_body_bytes: int = 1 << 20,
-          default_max_tokens: int = 512, log_level: str = "info", weights: str | None = None) -> None:
+          default_max_tokens: int = 512, log_level: str = "info", weights: str | None = None,
+          prefix_cache_mb: float | None = None) -> None:
     """Load `model`, start an Engine and serve it until SIGINT / SIGTERM (running requests get `drain_timeout`
     seconds to finish)."""
     import uvicorn
@@ -483,7 +485,8 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
 
     tune_malloc()
     net, tok = load_model(model, dtype, device, weights=weights)
-    engine = Engine(net, tok, method, max_batch=max_batch, max_queue=max_queue)
+    extra = {} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}
+    engine = Engine(net, tok, method, max_batch=max_batch, max_queue=max_queue, **extra)
     app = create_app(engine, served_name or Path(model).name, api_key=api_key, max_body_bytes=max_body_bytes,
                      default_max_tokens=default_max_tokens, drain_timeout=drain_timeout)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)

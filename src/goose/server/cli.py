@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..cliargs import add_model_args, int_in, method_name, positive_int
+from ..engine.prefix import DEFAULT_PREFIX_CACHE_MB
 
 _port = int_in(1, 65535)
 _non_negative_int = int_in(0)
@@ -19,7 +20,7 @@ def cmd_serve(args) -> int:
     serve(args.model, args.method, args.host, args.port, args.max_batch, args.max_queue, args.api_key, args.dtype,
           args.device, served_name=args.served_model_name, drain_timeout=args.drain_timeout,
           max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
-          weights=getattr(args, "weights", None))
+          weights=getattr(args, "weights", None), prefix_cache_mb=args.prefix_cache_mb)
     return 0
 
 
@@ -39,6 +40,9 @@ def register(sub) -> None:
     s.add_argument("--max-batch", type=positive_int, default=8, help="requests decoded together (default 8)")
     s.add_argument("--max-queue", type=_non_negative_int, default=64,
                    help="waiting requests beyond which new ones get 429 (default 64)")
+    s.add_argument("--prefix-cache-mb", type=_non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
+                   help="room for stored prompt prefixes' keys and values, reused by requests that start with "
+                        f"them (a shared system prompt, earlier turns); 0 = off (default {DEFAULT_PREFIX_CACHE_MB})")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
     s.add_argument("--served-model-name", default=None, help="the model id of the API (default: --model's name)")
     s.add_argument("--drain-timeout", type=float, default=30.0,

@@ -17,6 +17,8 @@ class Metrics:
         self.requests = Counter("goose_requests", "Requests answered, by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
         self.prompt_tokens = Counter("goose_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("goose_prompt_tokens_cached", "Prompt tokens of finished requests whose keys "
+                                     "and values came from the engine's prefix cache", registry=r)
         self.generation_tokens = Counter("goose_generation_tokens", "Generated tokens of finished requests",
                                          registry=r)
         self.forward_calls = Counter("goose_forward_calls", "Target forward calls of finished requests (prefill "
@@ -50,6 +52,7 @@ class Metrics:
         self.requests.labels(endpoint, outcome).inc()
         st = req.slot.stats
         self.prompt_tokens.inc(st.prompt_tokens)
+        self.cached_tokens.inc(st.cached_tokens)
         self.generation_tokens.inc(st.new_tokens)
         self.forward_calls.inc(st.forward_calls)
         for src in ("spine", "branch"):
