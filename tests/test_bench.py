@@ -406,7 +406,9 @@ def test_cli_bench_concurrency(tiny, tmp_path, capsys):
             "--max-new-tokens", "12", "--out", str(out), "--concurrency", "3"]
     assert main(argv) == 0
     rows = json.loads((out / "concurrency.json").read_text())["rows"]
-    assert [r["method"] for r in rows] == ["ar", "goose", "pld"]
+    assert [r["method"] for r in rows] == ["goose", "pld", "ar"]  # in the order given, ar added last
+    assert all(0 <= r["cached_tokens"] < r["prompt_tokens"] for r in rows)
+    assert "prompt tokens cached" in (out / "concurrency.md").read_text()
     assert all(r["identical"] == r["requests"] == 4 and r["tokens"] > 0 for r in rows)
     assert all(0 <= r["ttft_p50_s"] <= r["ttft_p95_s"] for r in rows)
     assert "| goose |" in (out / "concurrency.md").read_text()
