@@ -239,7 +239,10 @@ def _step(forward, slots: list[Slot], cost, budget: int | None) -> None:
 
 
 WORTH_ROWS = 4  # the marginal cost of a draft row: averaged over this many rows (the curve has flat steps)
-WORTH_MARGIN = 0.8  # a request's candidates are built when its best child may bring 80% of a row's price
+# a request's candidates are built when its best child may bring 1.5x a row's price: building, pricing and
+# harvesting a tree costs Python time that the curve does not price (benchmarks/concurrency_ab.py: 1.5 against
+# 0.8 gave +5% tokens/s at concurrency 1 and +3% at 4, level at 8)
+WORTH_MARGIN = 1.5
 
 
 def _worth(cost, sequences: int, rows: int, value: float, context: float = 0.0) -> float:
