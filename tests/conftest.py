@@ -46,6 +46,18 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos: int = TINY_EOS
     return out[0, len(prompt):].tolist()
 
 
+_GREEDY: dict = {}
+
+
+def greedy_memo(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """`hf_greedy`, remembered per (model object, prompt, max_new_tokens): for models whose weights no test
+    changes afterwards."""
+    key = (id(model), tuple(prompt), max_new_tokens)
+    if key not in _GREEDY:
+        _GREEDY[key] = hf_greedy(model, prompt, max_new_tokens)
+    return _GREEDY[key]
+
+
 _STORES: dict = {}
 
 

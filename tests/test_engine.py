@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_EOS, TINY_VOCAB, hf_greedy, make_tiny_llama, method_for
+from conftest import TINY_EOS, TINY_VOCAB, greedy_memo, hf_greedy, make_tiny_llama, method_for
 from goose import DecodeConfig, Decoder, Engine, GooseError
 from goose.backends.forward import HFForward
 from goose.backends.lean import LeanForward
@@ -33,16 +33,6 @@ STEEP = CostCurve((1, 2, 128), (10.0, 20.0, 1280.0))  # every extra token as dea
 @pytest.fixture(scope="module")
 def models():
     return {"float64": make_tiny_llama(torch.float64), "float32": make_tiny_llama(torch.float32, seed=3)}
-
-
-_REFS: dict = {}
-
-
-def greedy(model, prompt, n):
-    key = (id(model), tuple(prompt), n)
-    if key not in _REFS:
-        _REFS[key] = hf_greedy(model, prompt, n)
-    return _REFS[key]
 
 
 def _forward(kind, model):
@@ -92,7 +82,7 @@ def test_batched_steps_equal_greedy_alone(models, data):
         step(fwd, [s for _, s, _ in live], cost, budget)
     for p, s in zip(plan, slots):
         eos = p["stop"] if p["stop"] else TINY_EOS
-        ref = greedy(model, p["prompt"], p["new"]) if eos == TINY_EOS else _greedy_stop(model, p, eos)
+        ref = greedy_memo(model, p["prompt"], p["new"]) if eos == TINY_EOS else _greedy_stop(model, p, eos)
         if s.done:
             assert s.out == ref, p
         else:  # cancelled mid-way
@@ -100,7 +90,7 @@ def test_batched_steps_equal_greedy_alone(models, data):
 
 
 def _greedy_stop(model, p, extra):
-    ref = greedy(model, p["prompt"], p["new"])
+    ref = greedy_memo(model, p["prompt"], p["new"])
     for i, t in enumerate(ref):
         if t == extra:
             return ref[: i + 1]
@@ -195,7 +185,7 @@ def test_engine_concurrent_submissions_equal_greedy(models, kind, dtype):
             reqs.append(eng.submit(p, 20 + i, method=METHODS[i % len(METHODS)] if i % 7 != 6 else "ar"))
             time.sleep(rng.random() * 0.01)
         got = [r.result(timeout=120).token_ids for r in reqs]
-    assert got == [greedy(model, p, 20 + i) for i, p in enumerate(prompts)]
+    assert got == [greedy_memo(model, p, 20 + i) for i, p in enumerate(prompts)]
     assert max(eng.batch_sizes) > 1  # requests really shared forwards
 
 
@@ -212,7 +202,7 @@ def test_engine_sampling_equals_ar_alone(models):
 
 def test_engine_streams_cancels_and_isolates_failures(models):
     model = models["float32"]
-    ref = greedy(model, [4, 5, 6], 30)
+    ref = greedy_memo(model, [4, 5, 6], 30)
     with Engine(model, None, "goose", max_batch=2) as eng:
         boom = eng.submit([4, 5, 6], 30, on_tokens=lambda block: 1 / 0)
         bad_stop = eng.submit([4, 5, 6], 30, stop=lambda toks: {}["x"])
@@ -246,7 +236,7 @@ def test_engine_rejects_bad_requests_alone(models):
             eng.submit([TINY_VOCAB + 5], 5)
         with pytest.raises(GooseError, match="tokenizer"):
             eng.submit("text", 5)
-        assert eng.submit([3, 4], 8).result(timeout=60).token_ids == greedy(model, [3, 4], 8)
+        assert eng.submit([3, 4], 8).result(timeout=60).token_ids == greedy_memo(model, [3, 4], 8)
     with pytest.raises(GooseError, match="closed"):
         eng.submit([3], 5)
 
@@ -262,7 +252,7 @@ def test_engine_queue_bound(models):
         with pytest.raises(GooseError, match="queue is full"):
             eng.submit([3, 4], 5)
         gate.set()
-        assert first.result(timeout=60).token_ids == greedy(model, [3, 4], 5)
+        assert first.result(timeout=60).token_ids == greedy_memo(model, [3, 4], 5)
 
 
 # ---- stale weights -------------------------------------------------------------------------------------
@@ -275,7 +265,7 @@ def test_changed_weights_are_never_decoded_stale(dtype):
     dec = Decoder(model, None, "goose")
     given_fwd = LeanForward(model)
     mine = Decoder(model, None, "ar", forward=given_fwd)
-    assert dec.generate_ids(prompt, DecodeConfig(20))[0] == greedy(model, prompt, 20)
+    assert dec.generate_ids(prompt, DecodeConfig(20))[0] == greedy_memo(model, prompt, 20)
     other = make_tiny_llama(dtype, seed=12)
     model.load_state_dict(other.state_dict())  # in place
     new_ref = hf_greedy(model, prompt, 20)
@@ -333,7 +323,7 @@ def test_engine_loop_on_the_callers_thread(models):
     th.start()
     eng.run()
     th.join(60)
-    assert [r.token_ids for r in out] == [greedy(model, p, 20) for p in prompts]
+    assert [r.token_ids for r in out] == [greedy_memo(model, p, 20) for p in prompts]
     with pytest.raises(GooseError, match="already running|closed"):
         eng.submit([3], 5)
     with Engine(model, None, "ar") as threaded, pytest.raises(GooseError, match="own thread"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_VOCAB, hf_greedy, make_tiny_llama
+from conftest import TINY_VOCAB, greedy_memo, hf_greedy, make_tiny_llama
 from goose import Engine, GooseError
 from goose.backends import cpukernel
 from goose.backends.forward import HFForward
@@ -26,16 +27,6 @@ needs_kernel = pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's fl
 @pytest.fixture(scope="module")
 def model32():
     return make_tiny_llama(torch.float32, seed=5)
-
-
-_REFS: dict = {}
-
-
-def greedy(model, prompt, n):
-    key = (id(model), tuple(prompt), n)
-    if key not in _REFS:
-        _REFS[key] = hf_greedy(model, prompt, n)
-    return _REFS[key]
 
 
 def _filled_cache(fwd, tokens):
@@ -124,12 +115,12 @@ def test_requests_sharing_prefixes_equal_greedy_alone(model32, data):
     # what the openers left stored: their prompt and output, but for the last token (never fed to the model)
     stored = [(p + res.token_ids)[: len(p) + len(res.token_ids) - 1] for p, res in zip(openers, done)]
     for (prompt, new), res in zip(prompts, results):
-        assert res.token_ids == greedy(model32, prompt, new), prompt
+        assert res.token_ids == greedy_memo(model32, prompt, new), prompt
         assert res.stats.cached_tokens % BLOCK == 0 and res.stats.cached_tokens < len(prompt)
         common = max(len(os.path.commonprefix([prompt, s])) for s in stored)
         assert res.stats.cached_tokens >= min(common, len(prompt) - 1) // BLOCK * BLOCK, prompt
     for p, res in zip(openers, done):
-        assert res.token_ids == greedy(model32, p, 12)
+        assert res.token_ids == greedy_memo(model32, p, 12)
 
 
 @needs_kernel
@@ -141,7 +132,7 @@ def test_the_next_turn_reuses_the_previous_output(model32):
         two = eng.generate(turn, 10)
     assert one.stats.cached_tokens == 0
     assert two.stats.cached_tokens >= (len(prompt) + len(one.token_ids) - 1) // BLOCK * BLOCK > len(prompt)
-    assert two.token_ids == greedy(model32, turn, 10)
+    assert two.token_ids == greedy_memo(model32, turn, 10)
 
 
 @needs_kernel
@@ -171,3 +162,23 @@ def test_off_where_reuse_could_change_bits_or_when_asked(model32):
             assert len(eng.prefixes) == 0
     with pytest.raises(GooseError, match="prefix_cache_mb"):
         Engine(model32, None, "ar", prefix_cache_mb=-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_requests_admitted_together_wait_for_the_shared_prefix(model32, chunk):
+    """Requests admitted in one step whose prompts share their first blocks: the first prefills them (in
+    chunks of `chunk` prompt tokens per step), the others wait, then copy them; all equal greedy alone."""
+    rng = random.Random(4)
+    shared = [rng.randrange(2, TINY_VOCAB) for _ in range(4 * BLOCK + 3)]
+    prompts = [shared + [rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(1, 9))] for _ in range(4)]
+    prompts.append([rng.randrange(2, TINY_VOCAB) for _ in range(3 * BLOCK)])  # shares nothing: never waits
+    eng = Engine(model32, None, "goose", max_batch=5, thread=False, prefill_chunk=chunk)
+    reqs = [eng.submit(p, 10) for p in prompts]  # all queued before the loop starts: admitted in one step
+    closer = threading.Timer(0.2, eng.close)
+    closer.start()
+    eng.run()
+    results = [r.result(timeout=60) for r in reqs]
+    for p, res in zip(prompts, results):
+        assert res.token_ids == greedy_memo(model32, p, 10)
+    assert [res.stats.cached_tokens for res in results] == [0] + [4 * BLOCK] * 3 + [0]

@@ -5,7 +5,8 @@ rest of its prompt.
 Blocks of BLOCK tokens form a trie: a block is found by its parent block and its own tokens, so a prompt's
 longest stored prefix is found in one pass over its blocks. A block holds its tokens' cache entries of every
 layer (``[layers, 2, K, BLOCK, D]``, a copy: no request's cache is shared). Prompts are stored once their
-prefill ends, and a finished request's prompt and output (its cache's entries) when it finishes.
+prefill ends, and a finished request's prompt and output (its cache's entries) when it finishes. A request
+admitted beside one whose prompt shares its first blocks waits for that prefill to end and then copies them.
 
 Why reuse cannot change a token: on goose's kernels (`LeanForward.plan`) every row of a forward is computed
 independently of the other rows and of how many there are, and a tree node's entries are those of its path
@@ -74,18 +75,19 @@ class PrefixCache:
             parent = node.id
         return found
 
-    def attach(self, prompt: list[int], cache) -> int:
+    def attach(self, prompt: list[int], cache, more_than: int = 0) -> int:
         """Copy the longest stored prefix of `prompt` (whole blocks, leaving at least one token to prefill)
-        into the fresh `cache`; returns its length in tokens (0: nothing stored)."""
+        into `cache`, which holds nothing else, if it is longer than `more_than` tokens (what `cache` already
+        holds from here); returns its length in tokens (0: nothing longer stored, `cache` untouched)."""
         nodes = self._walk(prompt, (len(prompt) - 1) // BLOCK)
-        if not nodes:
+        if len(nodes) * BLOCK <= more_than:
             return 0
         now = next(self._clock)
         for node in nodes:
             node.used = now
         n = len(nodes) * BLOCK
         cache.write_prefix(torch.cat([node.kv for node in nodes], dim=3))
-        self.hits += n
+        self.hits += n - more_than
         return n
 
     def store(self, tokens: list[int], cache) -> None:

@@ -11,6 +11,7 @@ Callers talk to it only through `Request` objects (thread-safe).
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 import time
@@ -22,8 +23,8 @@ from ..decoding import GenerationResult, context_limit, decode_config, default_f
     text_pieces
 from ..errors import GooseError
 from .methods import Method, make_method
-from .prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache
-from .step import DECODE, Slot, step
+from .prefix import BLOCK, DEFAULT_PREFIX_CACHE_MB, PrefixCache
+from .step import DECODE, PREFILL, Slot, step
 
 _END = object()  # end of a request's block queue
 
@@ -152,7 +153,8 @@ class Engine:
     `prefix_cache_mb`: room for the keys and values of prompts (and finished requests' outputs) that later
     requests starting with the same tokens reuse instead of prefilling them again (`goose.engine.prefix`;
     whole blocks of 8 tokens, least recently used dropped first; 0 turns it off; only on goose's kernels,
-    where reuse gives the same bits).
+    where reuse gives the same bits). A request admitted beside an earlier one whose prompt shares its first
+    blocks waits for that prefill to end, then copies them.
 
     `thread`: True (default) runs the step loop on a background thread of the engine's own; False leaves it
     to the caller: `run()` runs it on the calling thread until `close()`. torch's OpenMP runtime (libgomp)
@@ -351,8 +353,8 @@ class Engine:
         reuse = self.prefixes.max_bytes > 0 and PrefixCache.supports(self.forward)
         for s in admitted:
             s.begin()
-            if reuse:
-                s.reuse_prefix(self.prefixes.attach(s.prompt, s.cache))
+        if reuse:
+            self._share_prefixes([r.slot for r in running if not r.done])
         for r in running:
             if r._cancel.is_set():
                 r._finish("cancelled")
@@ -386,6 +388,23 @@ class Engine:
         with self._cond:
             self._running = [r for r in self._running if not r.done]
         return True
+
+    def _share_prefixes(self, slots: list) -> None:
+        """Requests that have prefilled nothing of their own take the longest stored prefix of their prompt;
+        one whose prompt shares more whole blocks with an earlier request still prefilling waits for it (its
+        prefix is stored when that prefill ends) instead of computing the same entries beside it."""
+        leaders = []
+        for s in slots:
+            s.hold = False
+            if s.unstarted:
+                longer = self.prefixes.attach(s.prompt, s.cache, more_than=s.filled)
+                if longer:
+                    s.reuse_prefix(longer)
+                usable = (len(s.prompt) - 1) // BLOCK * BLOCK
+                s.hold = any(min(usable, len(os.path.commonprefix([s.prompt, t.prompt]))) // BLOCK * BLOCK > s.filled
+                             for t in leaders)
+            if s.state == PREFILL and not s.hold:
+                leaders.append(s)
 
     def _store_prefixes(self, running: list[Request]) -> None:
         """Prompts whose prefill just ended, and finished requests' prompt + output, into the prefix cache."""

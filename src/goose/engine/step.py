@@ -58,6 +58,7 @@ class Slot:
     state: str = PREFILL
     finish_reason: str | None = None  # once done: "stop" (a stop token or `stop`) or "length"
     filled: int = 0  # prompt tokens prefilled so far
+    hold: bool = False  # skip prefill chunks this step (the engine waits for a prefix another request is computing)
     prev: int = -1  # token before the next prefill chunk
     t0: float = 0.0
     new: list[int] = field(default_factory=list)  # tokens committed by the last step
@@ -101,6 +102,11 @@ class Slot:
             raise GooseError(f"a reused prefix of {n} tokens must leave prompt tokens to prefill and fill the cache")
         self.filled, self.prev = n, self.prompt[n - 1]
         self.stats.cached_tokens = n
+
+    @property
+    def unstarted(self) -> bool:
+        """Still prefilling, and nothing of its own prefilled yet (only entries from the prefix cache)."""
+        return self.state == PREFILL and self.filled == self.stats.cached_tokens
 
     @property
     def done(self) -> bool:
@@ -156,7 +162,7 @@ def _step(forward, slots: list[Slot], cost, budget: int | None) -> None:
     decoding = [s for s in slots if s.state == DECODE]
     clock = _Clock(decoding)
     # 1. prefill chunks (token budget shared by the prefilling slots) and drafts (decoding slots)
-    prefilling = [s for s in slots if s.state == PREFILL]
+    prefilling = [s for s in slots if s.state == PREFILL and not s.hold]
     chunks: dict[int, list[int]] = {}
     if prefilling:
         left = budget or prefilling[0].cfg.prefill_chunk
