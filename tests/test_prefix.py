@@ -86,7 +86,7 @@ def test_the_byte_budget_drops_least_recently_used_leaves_first(model32):
 
 # ---- through the engine ---------------------------------------------------------------------------------
 @needs_kernel
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
 @given(data=st.data())
 def test_requests_sharing_prefixes_equal_greedy_alone(model32, data):
@@ -95,7 +95,7 @@ def test_requests_sharing_prefixes_equal_greedy_alone(model32, data):
     decoding alone, and later ones really took their prefixes from the cache."""
     rng = random.Random(data.draw(st.integers(0, 10**6)))
     heads = [[rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(BLOCK, 5 * BLOCK))] for _ in range(2)]
-    methods = ["ar", "goose", "pld", "tr"]
+    methods = ["ar", "goose", "pld", "tr", "goose-paper", "lookahead"]
     with Engine(model32, None, "goose", max_batch=data.draw(st.integers(1, 3))) as eng:
         openers = [h + [rng.randrange(2, TINY_VOCAB)] for h in heads]
         done = [r.result(timeout=120) for r in [eng.submit(p, 12) for p in openers]]
