@@ -1,7 +1,8 @@
 """goose's own float32 CPU kernels for x86-64 (AVX-512 or AVX2, + FMA), built on first use: a small-batch
 linear layer, a decoder layer's attention on a static KV cache, and the top k of logit rows.
 
-`LeanForward` multiplies every weight matrix by the 1..~16 rows of a decoding step or a draft tree. On a
+`LeanForward` multiplies every weight matrix by the 1..~16 rows of a decoding step or a draft tree, and
+runs a forward's decoder layers in one call of ``goose_layers`` over a plan built once (`layer_plan`). On a
 small CPU, PyTorch's kernels for those shapes (MKL, oneDNN) stream the weights at about half the memory
 bandwidth and get slower with every added row; ``cpu_kernels.cpp`` reads each weight once per call
 whatever the row count (see that file for the layout and the numerics). Its attention does a layer's
