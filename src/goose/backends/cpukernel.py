@@ -268,12 +268,7 @@ class CpuKernels:
         Every argument is checked here (dtype float32, CPU, shapes, and contiguity of the packed weight,
         bias and ``out``; x is made contiguous): the kernel itself trusts its pointers."""
         _check(x, "linear: x", dims=2)
-        _check(packed, "linear: packed weight", dims=4, contiguous=True)
-        panels, two, k_in, half = packed.shape
-        if two != 2 or half != PANEL // 2:
-            raise ValueError(f"linear: packed weight has shape {list(packed.shape)}, not [N/16, 2, K, 8] (use pack)")
-        if not isinstance(n, int) or isinstance(n, bool) or not (panels - 1) * PANEL < n <= panels * PANEL:
-            raise ValueError(f"linear: n = {n} outputs do not fit a packed weight of {panels} panels of {PANEL}")
+        panels, k_in = _panels(packed, n, "linear")
         x = x.contiguous()
         m, k = x.shape
         if k != (2 * k_in if gated else k_in):
@@ -302,10 +297,7 @@ class CpuKernels:
 
     def op(self, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> "PlanOp":
         """A projection of a `layer_plan`: `linear` against this packed weight and bias (checked here once)."""
-        _check(packed, "op: packed weight", dims=4, contiguous=True)
-        panels, two, k_in, half = packed.shape
-        if two != 2 or half != PANEL // 2 or not (panels - 1) * PANEL < n <= panels * PANEL:
-            raise ValueError(f"op: packed weight of shape {list(packed.shape)} does not hold {n} outputs")
+        _, k_in = _panels(packed, n, "op")
         return PlanOp(self._linear_address, -1, packed, n, k_in, bias)
 
     def layer_plan(self, layers: list[tuple]) -> "LayerPlan":
@@ -501,6 +493,17 @@ class LayerPlan:
         self._fn(ctypes.addressof(self._table), self.layers, x.data_ptr(), m, qkv.data_ptr(), att.data_ptr(),
                  gu.data_ptr(), h, kh, d, len(batch._steps), batch._desc.data_ptr(), batch._scale)
         return x
+
+
+def _panels(packed, n: int, what: str) -> tuple[int, int]:
+    """``(panels, K)`` of a packed ``[N/16, 2, K, 8]`` weight that holds `n` outputs; ValueError otherwise."""
+    _check(packed, f"{what}: packed weight", dims=4, contiguous=True)
+    panels, two, k_in, half = packed.shape
+    if two != 2 or half != PANEL // 2:
+        raise ValueError(f"{what}: packed weight has shape {list(packed.shape)}, not [N/16, 2, K, 8] (use pack)")
+    if not isinstance(n, int) or isinstance(n, bool) or not (panels - 1) * PANEL < n <= panels * PANEL:
+        raise ValueError(f"{what}: n = {n} outputs do not fit a packed weight of {panels} panels of {PANEL}")
+    return panels, k_in
 
 
 def _check_layer_input(layer: int, layers: int, qkv, shape: tuple[int, int]) -> None:

@@ -380,24 +380,11 @@ class LeanForward:
                                                        self.scale) for s, (a, b, p) in zip(segments, spans)]
         else:
             attends = [self._torch_attention(s, cos[a:b], sin[a:b], p) for s, (a, b, p) in zip(segments, spans)]
-        H, K, D = self.n_heads, self.n_kv, self.head_dim
         one = len(segments) == 1
-        batch = None if self.attn_kernel is None or (one and self.plan is None) else self.attn_kernel.attention_batch(attends)
         if self.plan is not None:  # all layers in one kernel call
-            self.plan(x, batch)
-        for li, L in enumerate(self.layers if self.plan is None else ()):
-            qkv = L.qkv(x, norm=(L.ln1, L.eps1))  # [N, (H + 2K) * D], of RMSNorm(x)
-            if L.qk_norm is not None:  # qwen3: per-head q/k RMSNorm, before RoPE
-                qw, qe, kw, ke = L.qk_norm
-                qk = qkv[:, : (H + K) * D].view(-1, H + K, D)
-                qkv[:, : (H + K) * D] = torch.cat([_rms(qk[:, :H], qw, qe), _rms(qk[:, H:], kw, ke)], 1).view(len(ids), -1)
-            if one:
-                a = attends[0](li, qkv)  # [N, H*D]
-            elif batch is not None:  # every segment's attention in one kernel call
-                a = batch(li, qkv)
-            else:
-                a = torch.cat([att(li, qkv[r0:r1]) for att, (r0, r1, _) in zip(attends, spans)])  # [N, H*D]
-            self._mlp(L, a, x)
+            self.plan(x, self.attn_kernel.attention_batch(attends))
+        else:
+            self._layer_by_layer(x, attends, spans)
         rows = []  # hidden rows whose logits are wanted
         for s, (a, b, p) in zip(segments, spans):
             s.cache.appended(p, b - a)
@@ -410,6 +397,26 @@ class LeanForward:
         if one:
             return [logits]
         return list(logits.split([r1 - r0 for r0, r1 in rows]))
+
+    def _layer_by_layer(self, x: torch.Tensor, attends: list, spans: list[tuple[int, int, int]]) -> None:
+        """The decoder layers on the residual stream ``x [N, hid]`` (in place), one call per projection and
+        attention (where `plan` cannot run them: qwen3's q/k norms, PyTorch's kernels)."""
+        H, K, D = self.n_heads, self.n_kv, self.head_dim
+        one = len(attends) == 1
+        batch = None if one or self.attn_kernel is None else self.attn_kernel.attention_batch(attends)
+        for li, L in enumerate(self.layers):
+            qkv = L.qkv(x, norm=(L.ln1, L.eps1))  # [N, (H + 2K) * D], of RMSNorm(x)
+            if L.qk_norm is not None:  # qwen3: per-head q/k RMSNorm, before RoPE
+                qw, qe, kw, ke = L.qk_norm
+                qk = qkv[:, : (H + K) * D].view(-1, H + K, D)
+                qkv[:, : (H + K) * D] = torch.cat([_rms(qk[:, :H], qw, qe), _rms(qk[:, H:], kw, ke)], 1).view(len(x), -1)
+            if one:
+                a = attends[0](li, qkv)  # [N, H*D]
+            elif batch is not None:  # every segment's attention in one kernel call
+                a = batch(li, qkv)
+            else:
+                a = torch.cat([att(li, qkv[r0:r1]) for att, (r0, r1, _) in zip(attends, spans)])  # [N, H*D]
+            self._mlp(L, a, x)
 
     def _torch_attention(self, seg: "Segment", cos: torch.Tensor, sin: torch.Tensor, p: int):
         """PyTorch's attention for one segment: a function (layer, qkv [n, (H + 2K) D]) -> [n, H D]."""

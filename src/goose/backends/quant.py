@@ -117,12 +117,18 @@ class QuantKernels:
 
     def op(self, packed: "QuantWeight", n: int, bias: torch.Tensor | None):
         """A projection of a `CpuKernels.layer_plan`: `linear` against this packed weight (checked here once)."""
-        if not isinstance(packed, QuantWeight) or n != packed.n:
-            raise ValueError("op: packed must be a QuantWeight of n rows")
+        self._check_weight(packed, n)
+        return cpukernel.PlanOp(ctypes.cast(self._fn, ctypes.c_void_p).value, FORMATS[packed.fmt][0], packed.data, n,
+                                packed.k, bias)
+
+    def _check_weight(self, packed: "QuantWeight", n: int) -> None:
+        """`packed` is a whole packed QuantWeight of `n` rows."""
+        if not isinstance(packed, QuantWeight):
+            raise TypeError("packed must be a QuantWeight")
+        if n != packed.n:
+            raise ValueError(f"n = {n}, the weight has {packed.n} rows")
         if packed.data.numel() != self.packed_bytes(packed.fmt, packed.n, packed.k) or not packed.data.is_contiguous():
             raise ValueError("the packed weight has the wrong size")
-        return cpukernel.PlanOp(ctypes.cast(self._fn, ctypes.c_void_p).value, FORMATS[packed.fmt][0], packed.data, n, packed.k,
-                      bias)
 
     def packed_bytes(self, fmt: str, n: int, k: int) -> int:
         return int(self._bytes(FORMATS[fmt][0], n, k))
@@ -148,9 +154,7 @@ class QuantKernels:
 
     def rows(self, weight: "QuantWeight", ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the dequantized weight: float32 ``[*ids.shape, K]``."""
-        flat = ids.reshape(-1).to(torch.int64).contiguous()
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= weight.n):
-            raise IndexError(f"row ids must be in [0, {weight.n})")
+        flat = weight._check_ids(ids)
         out = torch.empty(flat.numel(), weight.k, dtype=torch.float32)
         if flat.numel():
             self._rows(FORMATS[weight.fmt][0], weight.data.data_ptr(), weight.n, weight.k, flat.data_ptr(),
@@ -163,13 +167,8 @@ class QuantKernels:
         """``in(x) [M, K]`` times the packed ``[N, K]`` weight, plus bias: ``[M, N]`` (float32, CPU); the call
         shape of `CpuKernels.linear` (see there for `norm`, `gated`, `out`). `bias` is padded to a whole
         number of 16-column panels (`CpuKernels.pack_bias`)."""
-        if not isinstance(packed, QuantWeight):
-            raise TypeError("packed must be a QuantWeight")
+        self._check_weight(packed, n)
         k_in = packed.k
-        if n != packed.n:
-            raise ValueError(f"n = {n}, the weight has {packed.n} rows")
-        if packed.data.numel() != self.packed_bytes(packed.fmt, packed.n, k_in) or not packed.data.is_contiguous():
-            raise ValueError("the packed weight has the wrong size")
         if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
             raise ValueError("x must be a float32 CPU [M, K] tensor")
         x = x.contiguous()

@@ -32,10 +32,11 @@ DEFAULT_PREFIX_CACHE_MB = 256  # Engine(prefix_cache_mb=...), goose serve / benc
 
 
 class _Node:
-    __slots__ = ("id", "key", "kv", "children", "used")
+    __slots__ = ("id", "key", "kv", "nbytes", "children", "used")
 
     def __init__(self, nid: int, key: tuple, kv: torch.Tensor, used: int) -> None:
         self.id, self.key, self.kv, self.children, self.used = nid, key, kv, 0, used
+        self.nbytes = kv.numel() * kv.element_size()
 
 
 class PrefixCache:
@@ -102,12 +103,12 @@ class PrefixCache:
             key = (parent, tuple(tokens[b * BLOCK : (b + 1) * BLOCK]))
             node = self._nodes.get(key)
             if node is None:
-                kv = cache.entries(b * BLOCK, (b + 1) * BLOCK).clone()
-                if kv.numel() * kv.element_size() > self.max_bytes:
+                view = cache.entries(b * BLOCK, (b + 1) * BLOCK)
+                if view.numel() * view.element_size() > self.max_bytes:
                     break
-                node = _Node(next(self._ids), key, kv, now)
+                node = _Node(next(self._ids), key, view.clone(), now)
                 self._nodes[key] = self._by_id[node.id] = node
-                self.bytes += kv.numel() * kv.element_size()
+                self.bytes += node.nbytes
                 if parent:
                     self._by_id[parent].children += 1
             node.used = now
@@ -121,7 +122,7 @@ class PrefixCache:
             leaf = min((n for n in self._nodes.values() if n.children == 0),
                        key=lambda n: (n.used == protect, n.used))
             del self._nodes[leaf.key], self._by_id[leaf.id]
-            self.bytes -= leaf.kv.numel() * leaf.kv.element_size()
+            self.bytes -= leaf.nbytes
             self.evicted += 1
             if leaf.key[0]:
                 self._by_id[leaf.key[0]].children -= 1

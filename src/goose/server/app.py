@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 from ..decoding import encode_chat
 from ..drafting.tree import BRANCH, SPINE
 from ..engine.methods import METHODS
+from ..engine.prefix import DEFAULT_PREFIX_CACHE_MB
 from ..errors import GooseError
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatCompletionRequest, CompletionRequest
@@ -475,7 +476,7 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
           max_queue: int = 64, api_key: str | None = None, dtype: str = "float32", device: str = "cpu",
           served_name: str | None = None, drain_timeout: float = 30.0, max_body_bytes: int = 1 << 20,
           default_max_tokens: int = 512, log_level: str = "info", weights: str | None = None,
-          prefix_cache_mb: float | None = None) -> None:
+          prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> None:
     """Load `model`, start an Engine and serve it until SIGINT / SIGTERM (running requests get `drain_timeout`
     seconds to finish)."""
     import uvicorn
@@ -485,8 +486,7 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
 
     tune_malloc()
     net, tok = load_model(model, dtype, device, weights=weights)
-    extra = {} if prefix_cache_mb is None else {"prefix_cache_mb": prefix_cache_mb}
-    engine = Engine(net, tok, method, max_batch=max_batch, max_queue=max_queue, **extra)
+    engine = Engine(net, tok, method, max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb)
     app = create_app(engine, served_name or Path(model).name, api_key=api_key, max_body_bytes=max_body_bytes,
                      default_max_tokens=default_max_tokens, drain_timeout=drain_timeout)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
