@@ -15,6 +15,11 @@ prefill chunks, drafts and steps, and however many other requests shared those f
 copies them computes what it would have computed itself. Only forwards with that property get a cache
 (`PrefixCache.supports`); the engine clears it when the model's weights change.
 
+Tenants: every block belongs to one tenant (a string; "" is the anonymous tenant). A tenant's first blocks
+hang from a root of its own, so a request finds (and `cached_tokens` counts) only blocks its own tenant
+stored: another tenant's prompts and answers never shorten its prefill nor show in its usage. All tenants
+share one byte budget and one least-recently-used order.
+
 The cache is the engine's own: only its step loop reads and writes it, and it hands out copies.
 Limits: `max_bytes` (the engine's ``prefix_cache_mb``); the least recently used blocks with no stored
 continuation go first. At least one prompt token is always left to prefill (its logits give the first
@@ -45,7 +50,7 @@ class PrefixCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._nodes: dict[tuple, _Node] = {}  # (parent node's id, 0 for none; block tokens) -> node
+        self._nodes: dict[tuple, _Node] = {}  # (parent node's id, or the tenant (a str) for a first block; tokens)
         self._by_id: dict[int, _Node] = {}
         self._clock = itertools.count(1)
         self._ids = itertools.count(1)
@@ -66,8 +71,8 @@ class PrefixCache:
         self._by_id.clear()
         self.bytes = 0
 
-    def _walk(self, tokens: list[int], blocks: int) -> list[_Node]:
-        found, parent = [], 0
+    def _walk(self, tokens: list[int], blocks: int, tenant: str) -> list[_Node]:
+        found, parent = [], str(tenant)
         for b in range(blocks):
             node = self._nodes.get((parent, tuple(tokens[b * BLOCK : (b + 1) * BLOCK])))
             if node is None:
@@ -76,11 +81,11 @@ class PrefixCache:
             parent = node.id
         return found
 
-    def attach(self, prompt: list[int], cache, more_than: int = 0) -> int:
-        """Copy the longest stored prefix of `prompt` (whole blocks, leaving at least one token to prefill)
-        into `cache`, which holds nothing else, if it is longer than `more_than` tokens (what `cache` already
-        holds from here); returns its length in tokens (0: nothing longer stored, `cache` untouched)."""
-        nodes = self._walk(prompt, (len(prompt) - 1) // BLOCK)
+    def attach(self, prompt: list[int], cache, more_than: int = 0, tenant: str = "") -> int:
+        """Copy the longest prefix of `prompt` stored by `tenant` (whole blocks, leaving at least one token to
+        prefill) into `cache`, which holds nothing else, if it is longer than `more_than` tokens (what `cache`
+        already holds from here); returns its length in tokens (0: nothing longer stored, `cache` untouched)."""
+        nodes = self._walk(prompt, (len(prompt) - 1) // BLOCK, tenant)
         if len(nodes) * BLOCK <= more_than:
             return 0
         now = next(self._clock)
@@ -91,14 +96,14 @@ class PrefixCache:
         self.hits += n - more_than
         return n
 
-    def store(self, tokens: list[int], cache) -> None:
+    def store(self, tokens: list[int], cache, tenant: str = "") -> None:
         """Store the blocks of `tokens` whose entries `cache` holds (its first ``cache.length`` positions are
-        those tokens'), skipping those already stored; then evict down to `max_bytes`."""
+        those tokens') as `tenant`'s, skipping those already stored; then evict down to `max_bytes`."""
         blocks = min(len(tokens), cache.length) // BLOCK
         if blocks == 0 or self.max_bytes <= 0:
             return
         now = next(self._clock)
-        parent = 0
+        parent = str(tenant)
         for b in range(blocks):
             key = (parent, tuple(tokens[b * BLOCK : (b + 1) * BLOCK]))
             node = self._nodes.get(key)
@@ -109,7 +114,7 @@ class PrefixCache:
                 node = _Node(next(self._ids), key, view.clone(), now)
                 self._nodes[key] = self._by_id[node.id] = node
                 self.bytes += node.nbytes
-                if parent:
+                if not isinstance(parent, str):
                     self._by_id[parent].children += 1
             node.used = now
             parent = node.id
@@ -124,5 +129,5 @@ class PrefixCache:
             del self._nodes[leaf.key], self._by_id[leaf.id]
             self.bytes -= leaf.nbytes
             self.evicted += 1
-            if leaf.key[0]:
+            if not isinstance(leaf.key[0], str):
                 self._by_id[leaf.key[0]].children -= 1

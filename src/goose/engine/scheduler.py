@@ -10,9 +10,12 @@ Callers talk to it only through `Request` objects (thread-safe).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -27,6 +30,8 @@ from .prefix import BLOCK, DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from .step import DECODE, PREFILL, Slot, step
 
 _END = object()  # end of a request's block queue
+log = logging.getLogger("goose.engine")
+BATCH_SIZES_KEPT = 4096  # Engine.batch_sizes: the sizes of this many most recent steps
 
 
 class Request:
@@ -34,9 +39,10 @@ class Request:
     as they are accepted; `tokens()` its token blocks; `cancel()` stops it at the next step boundary.
     `finish_reason`: "stop" (a stop token or `stop`), "length" (max_new_tokens), "cancelled" or "error"."""
 
-    def __init__(self, rid: int, prompt: list[int], slot: Slot, decode, on_tokens) -> None:
+    def __init__(self, rid: int, prompt: list[int], slot: Slot, decode, on_tokens, tenant: str = "") -> None:
         self.id = rid
         self.prompt = prompt
+        self.tenant = tenant  # the prefix-cache scope of this request (see Engine.submit)
         self.slot = slot
         self.method = slot.method.name  # the method decoding this request
         self._decode = decode
@@ -197,7 +203,9 @@ class Engine:
         self._closed = False
         self.steps = 0  # forwards run so far
         self._checked_at = 0  # self.steps at the last weights check
-        self.batch_sizes: list[int] = []  # requests per step (for metrics)
+        self.batch_sizes: deque[int] = deque(maxlen=BATCH_SIZES_KEPT)  # requests per step, recent steps only
+        self.batch_counts = [0] * (max_batch + 1)  # steps run with n requests, for every n (fixed size)
+        self.failure: str | None = None  # why the step loop stopped for good (None: it runs, or was closed)
         self._thread = threading.Thread(target=self._loop, name="goose-engine", daemon=True) if thread else None
         self._runner_done = threading.Event()
         self._runner: threading.Thread | None = None
@@ -207,13 +215,18 @@ class Engine:
 
     # ---- public API ----------------------------------------------------------------------------------
     def submit(self, prompt_or_ids: str | list[int], max_new_tokens: int = 128, chat: bool = False, *,
-               method: str | None = None, stop=None, eos=None, on_tokens=None, **options) -> Request:
+               method: str | None = None, stop=None, eos=None, on_tokens=None, tenant: str = "",
+               **options) -> Request:
         """Queue one request; returns at once. `options` are DecodeConfig fields (do_sample, temperature,
-        top_k, top_p, seed, prefill_chunk). `stop(tokens) -> bool` is asked after every generated token;
+        top_k, top_p, seed, prefill_chunk; sampling without a seed draws one from the OS's entropy, so
+        no two runs repeat each other). `stop(tokens) -> bool` is asked after every generated token;
         `eos`: stop token ids (default: the model's); `on_tokens(block)` is called on the engine's thread
-        with each committed block (an exception there fails this request only). Bad input raises GooseError
-        here, before anything is queued."""
+        with each committed block (an exception there fails this request only). `tenant`: the prefix-cache
+        scope: a request reuses only prefixes stored by requests of the same tenant ("" = the anonymous
+        tenant). Bad input raises GooseError here, before anything is queued."""
         cfg = decode_config(dict(options, max_new_tokens=max_new_tokens))
+        if cfg.do_sample and cfg.seed is None:
+            cfg = dataclasses.replace(cfg, seed=secrets.randbits(63))
         if isinstance(prompt_or_ids, str):
             ids = encode(self.tokenizer, prompt_or_ids, chat)
         else:
@@ -227,11 +240,12 @@ class Engine:
                     self.limit, stop=None if stop is None else _guarded(stop, req_box))
         decode = None if self.tokenizer is None else \
             (lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
-        req = Request(rid, ids, slot, decode, on_tokens)
+        req = Request(rid, ids, slot, decode, on_tokens, str(tenant))
         req_box.append(req)
         with self._cond:
             if self._closed:
-                raise GooseError("the engine is closed")
+                raise GooseError("the engine is closed" if self.failure is None else
+                                 f"the engine is closed: it failed ({self.failure})")
             if self.max_queue is not None and len(self._waiting) >= self.max_queue:
                 raise GooseError(f"the queue is full ({self.max_queue} waiting requests)")
             self._waiting.append(req)
@@ -315,17 +329,38 @@ class Engine:
             return tpl
 
     def _loop(self) -> None:
+        """The step loop. A failure of one request's own stage fails that request only (`_guard`); anything
+        else ends the engine: `failure` says why, every queued and running request fails with that reason,
+        and `submit` refuses new ones (a server then restarts the engine or exits)."""
         try:
             while self._next_step():
                 pass
         except BaseException as exc:  # the engine cannot go on: every request learns why
+            self.failure = f"{type(exc).__name__}: {exc}"
+            log.error("the engine stopped: %s", self.failure, exc_info=exc)
             with self._cond:
                 self._closed = True
                 for r in [*self._waiting, *self._running]:
-                    r._finish("error", GooseError(f"the engine stopped: {exc!r}"))
+                    try:
+                        r._finish("error", GooseError(f"the engine stopped: {self.failure}"))
+                    except BaseException:  # noqa: BLE001 - one broken request must not keep the others waiting
+                        r._done.set()
                 self._waiting.clear()
                 self._running.clear()
-            raise
+                self._cond.notify_all()
+            if self._thread is None:
+                raise  # run() on the caller's thread: the caller sees it
+
+    @staticmethod
+    def _guard(r: Request, stage: str | None, fn, *args) -> bool:
+        """Run one request's own stage `fn(*args)`; on an exception that request alone fails (with `stage`
+        named in its error; None: the caller's own exception, as raised by its callback). True when it ran."""
+        try:
+            fn(*args)
+            return True
+        except Exception as exc:
+            r._finish("error", exc if stage is None else GooseError(f"{stage} failed: {type(exc).__name__}: {exc}"))
+            return False
 
     def _next_step(self) -> bool:
         with self._cond:
@@ -342,19 +377,19 @@ class Engine:
                 r._finish("cancelled")
             admitting = bool(self._waiting) and len(self._running) < self.max_batch
         if admitting or self.steps - self._checked_at >= WEIGHTS_CHECK_STEPS:
-            self._check_weights()
+            self._checked_weights()
         with self._cond:
             self._running = [r for r in self._running if not r.done]
             admitted = []
             while self._waiting and len(self._running) < self.max_batch:
                 self._running.append(self._waiting.popleft())
-                admitted.append(self._running[-1].slot)
+                admitted.append(self._running[-1])
             running = list(self._running)
         reuse = self.prefixes.max_bytes > 0 and PrefixCache.supports(self.forward)
-        for s in admitted:
-            s.begin()
+        for r in admitted:
+            self._guard(r, "starting the request (cache allocation)", r.slot.begin)
         if reuse:
-            self._share_prefixes([r.slot for r in running if not r.done])
+            self._share_prefixes([r for r in running if not r.done])
         for r in running:
             if r._cancel.is_set():
                 r._finish("cancelled")
@@ -367,19 +402,16 @@ class Engine:
                     r._finish("error", exc if isinstance(exc, GooseError) else GooseError(f"decoding failed: {exc!r}"))
             self.steps += 1
             self.batch_sizes.append(len(running))
+            self.batch_counts[min(len(running), self.max_batch)] += 1
             if any(r.slot.done for r in running if not r.done):  # none finishes on weights that changed under it
-                self._check_weights()
+                self._checked_weights()
             if reuse:
                 self._store_prefixes(running)
             for r in running:
                 if r.done:
                     continue
                 s = r.slot
-                try:
-                    if s.new:
-                        r._deliver(s.new)
-                except Exception as exc:  # the request's own callback: it alone fails
-                    r._finish("error", exc)
+                if s.new and not self._guard(r, None, r._deliver, s.new):
                     continue
                 if r.error is not None:  # its `stop` raised
                     r._finish("error", r.error)
@@ -389,33 +421,58 @@ class Engine:
             self._running = [r for r in self._running if not r.done]
         return True
 
-    def _share_prefixes(self, slots: list) -> None:
-        """Requests that have prefilled nothing of their own take the longest stored prefix of their prompt;
-        one whose prompt shares more whole blocks with an earlier request still prefilling waits for it (its
-        prefix is stored when that prefill ends) instead of computing the same entries beside it."""
+    def _share_prefixes(self, running: list[Request]) -> None:
+        """Requests that have prefilled nothing of their own take the longest stored prefix of their prompt
+        (stored by their own tenant); one whose prompt shares more whole blocks with an earlier request of the
+        same tenant still prefilling waits for it (its prefix is stored when that prefill ends) instead of
+        computing the same entries beside it. A failure here fails that request only."""
         leaders = []
-        for s in slots:
+        for r in running:
+            s = r.slot
             s.hold = False
+            if s.unstarted and not self._guard(r, "reusing a stored prefix", self._attach, r):
+                continue
             if s.unstarted:
-                longer = self.prefixes.attach(s.prompt, s.cache, more_than=s.filled)
-                if longer:
-                    s.reuse_prefix(longer)
                 usable = (len(s.prompt) - 1) // BLOCK * BLOCK
-                s.hold = any(min(usable, len(os.path.commonprefix([s.prompt, t.prompt]))) // BLOCK * BLOCK > s.filled
-                             for t in leaders)
+                s.hold = any(min(usable, len(os.path.commonprefix([s.prompt, t.slot.prompt]))) // BLOCK * BLOCK
+                             > s.filled for t in leaders if t.tenant == r.tenant)
             if s.state == PREFILL and not s.hold:
-                leaders.append(s)
+                leaders.append(r)
+
+    def _attach(self, r: Request) -> None:
+        s = r.slot
+        longer = self.prefixes.attach(s.prompt, s.cache, more_than=s.filled, tenant=r.tenant)
+        if longer:
+            s.reuse_prefix(longer)
 
     def _store_prefixes(self, running: list[Request]) -> None:
-        """Prompts whose prefill just ended, and finished requests' prompt + output, into the prefix cache."""
+        """Prompts whose prefill just ended, and finished requests' prompt + output, into the prefix cache (the
+        request's tenant's part). A failure fails that request and empties the cache (it may be half-written)."""
         for r in running:
             s = r.slot
             if r.done or r.error is not None:  # failed or cancelled in this step
                 continue
             if s.done:
-                self.prefixes.store(s.prompt + s.out, s.cache)
+                tokens = s.prompt + s.out
             elif s.state == DECODE and len(s.out) == len(s.new) and s.new:  # its first step after the prefill
-                self.prefixes.store(s.prompt, s.cache)
+                tokens = s.prompt
+            else:
+                continue
+            if not self._guard(r, "storing the prefix", self.prefixes.store, tokens, s.cache, r.tenant):
+                self.prefixes.clear()
+
+    def _checked_weights(self) -> None:
+        """`_check_weights`; when the check itself fails, no request may go on (the weights may have changed
+        under them): the running and waiting ones fail with the reason, the engine goes on."""
+        try:
+            self._check_weights()
+        except Exception as exc:
+            err = GooseError(f"checking the model's weights failed: {type(exc).__name__}: {exc}")
+            self.prefixes.clear()
+            with self._cond:
+                for r in [*self._running, *self._waiting]:
+                    r._finish("error", err)
+                self._waiting.clear()
 
     def _check_weights(self) -> None:
         """When the model's weights changed, the running requests fail (their caches hold keys and values of

@@ -41,7 +41,7 @@ class Metrics:
             .set_function(lambda: engine.load()[1])
         Gauge("goose_engine_steps", "Batched forwards the engine has run", registry=r) \
             .set_function(lambda: engine.steps)
-        self._sizes_seen = 0
+        self._sizes_seen: list[int] = []
         self.batch = Histogram("goose_batch_size", "Requests per engine step", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
                                registry=r)
         self._engine = engine
@@ -71,8 +71,10 @@ class Metrics:
         self.requests.labels(endpoint, f"http_{status}").inc()
 
     def render(self) -> bytes:
-        sizes = self._engine.batch_sizes  # the engine appends one entry per step
-        for n in sizes[self._sizes_seen:len(sizes)]:
-            self.batch.observe(n)
-        self._sizes_seen = len(sizes)
+        counts = list(self._engine.batch_counts)  # steps run with n requests, for every n
+        seen = self._sizes_seen or [0] * len(counts)
+        for n, c in enumerate(counts):
+            for _ in range(c - (seen[n] if n < len(seen) else 0)):
+                self.batch.observe(n)
+        self._sizes_seen = counts
         return generate_latest(self.registry)
