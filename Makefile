@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(BIN)/goose demo
 
 test: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider tests
 	$(MAKE) --no-print-directory test-vllm
 
 # GooseProposer inside vLLM and the SGLang format, from .venv-vllm (the model folder comes from the main venv)

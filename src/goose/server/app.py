@@ -6,12 +6,20 @@ their token blocks come back on the engine's thread through ``on_tokens`` and ar
 which turns them into text (stop strings cut, partial characters held back) and into one JSON response or
 server-sent events in OpenAI's chunk format. Every error is OpenAI's error JSON, never a traceback. A client
 that goes away cancels its request (its slot is freed at the next step boundary).
+
+`Serving` holds one server's state (engine, settings, metrics) and handles requests; `create_app` is the thin
+FastAPI router over it. The engine's thread never waits for the event loop (blocks are handed over with
+``call_soon_threadsafe``) and prompts are tokenized on worker threads. When the engine fails, ``/health``
+answers 503 with the reason and the server builds a new engine (``restart``) once; when that one fails too,
+the server stops with exit status 1, for a supervisor to act on (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import hashlib
+import itertools
 import json
 import logging
 import os
@@ -26,6 +34,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from ..decoding import encode_chat
@@ -41,6 +50,11 @@ log = logging.getLogger("goose.server")
 STATIC = Path(__file__).parent / "static"
 SOURCE_NAMES = {SPINE: "spine", BRANCH: "branch"}  # anything else is the target's own token: "bonus"
 POLL_S = 0.05  # how often a waiting handler checks for a finished request or a gone client
+WATCH_S = 0.1  # how often the server checks whether its engine failed
+MAX_STOPS = 4  # stop sequences per request (as OpenAI)
+MAX_STOP_CHARS = 256  # characters per stop sequence
+MAX_JSON_DEPTH = 32  # nesting levels of a request body
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # Host names a loopback server answers by default
 
 
 class ApiError(HTTPException):
@@ -85,16 +99,120 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
 
+class HostCheck:
+    """ASGI middleware: requests whose Host header names no allowed host get 400 (against DNS rebinding: a web
+    page of another site whose name resolves to 127.0.0.1 must not reach a loopback server)."""
+
+    def __init__(self, app, allowed: frozenset[str]) -> None:
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
+        if host_name(host) not in self.allowed:
+            body = error_body(f"the host {host[:100]!r} is not served here (allowed: {', '.join(sorted(self.allowed))}; "
+                              "see --allowed-hosts)", code="invalid_host")
+            return await JSONResponse(body, 400)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def host_name(host: str) -> str:
+    """The name of a Host header value, without its port, lowercase: ``[::1]:8000`` -> ``::1``."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")
+
+
+def check_stops(stops: list[str]) -> None:
+    """400 unless there are at most MAX_STOPS stop strings of at most MAX_STOP_CHARS characters each."""
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"at most {MAX_STOPS} stop sequences are allowed", param="stop")
+    for s in stops:
+        if len(s) > MAX_STOP_CHARS:
+            raise ApiError(400, f"a stop sequence may have at most {MAX_STOP_CHARS} characters, got {len(s)}",
+                           param="stop")
+
+
+def tenant_of(api_key: str | None, user: str | None, cache_salt: str | None) -> str:
+    """The prefix-cache tenant of a request: a digest of its API key (when the server checks keys), its `user`
+    and its `cache_salt`; "" (the anonymous tenant, shared by all such requests) when it has none of them."""
+    parts = (api_key or "", user or "", cache_salt or "")
+    if not any(parts):
+        return ""
+    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def parse_json(raw: bytes):
+    """The JSON value of a request body; 400 (naming the field where there is one) for bad UTF-8, bad JSON,
+    numbers too long to convert, nesting deeper than MAX_JSON_DEPTH, and lone surrogates (``\\ud800``) in
+    any string."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid UTF-8 (at byte {exc.start})") from None
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise ApiError(400, f"the request body's JSON is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as exc:  # JSONDecodeError, and integers past Python's digit limit
+        raise ApiError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    todo = [(obj, (), 0)]
+    while todo:  # iterative: a deep body must not exhaust the stack here
+        value, path, depth = todo.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body's JSON is nested more than {MAX_JSON_DEPTH} levels deep",
+                           param=".".join(path) or None)
+        if isinstance(value, str):
+            _utf8(value, path)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _utf8(k, path)
+                todo.append((v, (*path, k), depth + 1))
+        elif isinstance(value, list):
+            todo.extend((v, (*path, str(i)), depth + 1) for i, v in enumerate(value))
+    return obj
+
+
+def _utf8(s: str, path: tuple) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        field = ".".join(path) or "body"
+        raise ApiError(400, f"{field}: the string holds a lone surrogate (not valid Unicode text)",
+                       param=field) from None
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    """A pydantic validation failure as one 400 naming the fields."""
+    parts, param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        param = param or (".".join(loc) or None)
+        msg = "unknown field (not supported)" if e.get("type") == "extra_forbidden" else e.get("msg", "invalid")
+        parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
+    return ApiError(400, "invalid request: " + "; ".join(parts[:5]), param=param)
+
+
 class TextEmitter:
-    """Token ids in, text pieces out: each piece is new text of the decoded whole; a piece is held back while
-    the text ends inside a multi-byte character or with the start of a stop string; the text ends before the
-    first stop string (OpenAI leaves the stop string out)."""
+    """Token ids in, text pieces out. The text is decoded incrementally (only the tokens since the last whole
+    character, beside the one before them for context), so a token costs the same however long the output is;
+    a piece is held back while the text ends inside a multi-byte character or with the start of a stop
+    string; the text ends before the first stop string (OpenAI leaves the stop string out). Stop strings are
+    searched for in the new text only (and the stop's length before it)."""
 
     def __init__(self, decode, stops: list[str]) -> None:
         self.decode, self.stops = decode, stops
+        self.longest = max((len(s) for s in stops), default=0)
         self.ids: list[int] = []
         self.shown = ""
         self.stopped = False  # a stop string was seen: nothing more is shown
+        self._text = ""  # decoded text of ids[:self._read]
+        self._prefix = self._read = 0  # ids[_prefix:_read]: the context decoded again beside new tokens
+        self._searched = 0  # characters of _text searched for stop strings
 
     def feed(self, tokens: list[int], sources: list[int], per_token: bool) -> list[tuple[str, str]]:
         """(text, source of its last token) pieces for the new tokens; with `per_token`, one try per token."""
@@ -110,21 +228,37 @@ class TextEmitter:
         return pieces
 
     def finish(self) -> str:
-        return "" if self.stopped else self._advance(final=True)
+        """The rest of the text. The whole output is decoded once more here, so the text is exactly its
+        decoding (cut at the first stop string)."""
+        if self.stopped:
+            return ""
+        text = self.decode(self.ids)
+        cut = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if cut:
+            text, self.stopped = text[: min(cut)], True
+        if not text.startswith(self.shown):
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
 
     @property
     def text(self) -> str:
         return self.shown
 
     def _advance(self, final: bool) -> str:
-        text = self.decode(self.ids)
+        before = self.decode(self.ids[self._prefix:self._read])
+        now = self.decode(self.ids[self._prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
+            self._text += now[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        text = self._text
         if self.stops:
-            hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+            start = max(0, self._searched - self.longest + 1)
+            hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+            self._searched = len(text)
             if hits:
                 text, final, self.stopped = text[: min(hits)], True, True
         if not final:
-            if text.endswith("\ufffd"):
-                return ""
             text = text[: len(text) - self._holdback(text)]
         if not text.startswith(self.shown) or len(text) <= len(self.shown):
             return ""
@@ -132,18 +266,23 @@ class TextEmitter:
         return piece
 
     def _holdback(self, text: str) -> int:
-        """Length of the longest end of `text` that begins a stop string."""
+        """Length of the longest end of `text` that begins a stop string (each stop looks only at the end of
+        `text` shorter than itself, and only where its first character occurs)."""
         best = 0
         for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
-                    best = k
+            tail = text[len(text) - min(len(s) - 1, len(text)):]
+            i = tail.find(s[0])
+            while i >= 0 and len(tail) - i > best:
+                if s.startswith(tail[i:]):
+                    best = len(tail) - i
                     break
+                i = tail.find(s[0], i + 1)
         return best
 
 
 def stop_checker(decode, stops: list[str]):
-    """The engine's `stop(tokens)`: True once the text of the last tokens holds a stop string."""
+    """The engine's `stop(tokens)`: True once the text of the last tokens holds a stop string (stop strings are
+    at most MAX_STOP_CHARS long, so this decodes at most that many tokens, however long the output)."""
     if not stops:
         return None
     n = max(len(s) for s in stops) + 4  # every token decodes to at least one character (special ones aside)
@@ -155,92 +294,160 @@ def stop_checker(decode, stops: list[str]):
     return stop
 
 
-def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-               default_max_tokens: int = 512, drain_timeout: float = 30.0, close_engine: bool = True) -> FastAPI:
-    """The FastAPI app serving `engine` as `model_name`. `api_key`: bearer token /v1 requires (None: none);
-    `default_max_tokens`: a chat request's limit when it gives none (completions: 16, as OpenAI);
-    `close_engine`: on shutdown, close the engine, letting running requests finish for `drain_timeout` s."""
-    tok = engine.tokenizer
-    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    metrics = Metrics(engine)
+class _EngineView:
+    """The serving engine as the metrics see it: always the current one (across restarts), with step counts
+    summed over every engine this server ran."""
 
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        if close_engine:
-            await asyncio.to_thread(engine.close, drain_timeout)
+    def __init__(self, serving: "Serving") -> None:
+        self._serving = serving
+        self._steps = 0
+        self._counts: list[int] = []
 
-    app = FastAPI(title="goose", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.engine, app.state.metrics = engine, metrics
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    def retire(self, engine) -> None:
+        """Add a replaced engine's counts to the totals."""
+        self._steps += engine.steps
+        self._counts = [a + b for a, b in itertools.zip_longest(self._counts, engine.batch_counts, fillvalue=0)]
 
-    # ---- errors: always OpenAI's error JSON ------------------------------------------------------------
-    @app.exception_handler(ApiError)
-    async def _api_error(request, exc: ApiError):
-        return JSONResponse(error_body(exc.message, exc.type, exc.code, exc.param), exc.status_code,
-                            headers=exc.headers)
+    @property
+    def steps(self) -> int:
+        return self._steps + self._serving.engine.steps
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(request, exc: HTTPException):
-        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), type_), exc.status_code, headers=exc.headers)
+    @property
+    def batch_counts(self) -> list[int]:
+        counts = self._serving.engine.batch_counts
+        return [a + b for a, b in itertools.zip_longest(self._counts, counts, fillvalue=0)]
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc: RequestValidationError):
-        parts, param = [], None
-        for e in exc.errors():
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-            param = param or (".".join(loc) or None)
-            msg = "unknown field (not supported)" if e.get("type") == "extra_forbidden" else e.get("msg", "invalid")
-            parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
-        return JSONResponse(error_body("invalid request: " + "; ".join(parts[:5]), param=param), 400)
+    def __getattr__(self, name):
+        return getattr(self._serving.engine, name)
 
-    @app.exception_handler(Exception)
-    async def _crash(request, exc: Exception):
-        log.exception("internal error")
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), 500)
 
-    async def authorized(request: Request) -> None:
-        if api_key is None:
+class Serving:
+    """One server's state and request handling: the engine (replaced by `restart()` once it fails, up to
+    `max_restarts` times), the settings and the metrics. `create_app` routes HTTP requests here."""
+
+    def __init__(self, engine, model_name: str, *, api_key: str | None = None, metrics_key: str | None = None,
+                 default_max_tokens: int = 512, restart=None, max_restarts: int = 1, on_fatal=None) -> None:
+        self.engine, self.model_name = engine, model_name
+        self.api_key, self.metrics_key = api_key, metrics_key
+        self.default_max_tokens = default_max_tokens
+        self.restart, self.max_restarts, self.on_fatal = restart, max_restarts, on_fatal
+        self.restarts = 0
+        self.restarting = False
+        self.fatal: str | None = None  # the engine failed and will not be restarted: the server must stop
+        self.last_failure: str | None = None
+        self.started_engines: list = []  # engines this server built (it closes them)
+        tok = engine.tokenizer
+        self.tok = tok
+        self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        self._view = _EngineView(self)
+        self.metrics = Metrics(self._view)
+        self.created = int(time.time())
+
+    # ---- engine failures -------------------------------------------------------------------------------
+    def engine_failure(self) -> str | None:
+        """Why the server cannot serve now (None: it can)."""
+        if self.fatal is not None:
+            return self.fatal
+        if self.engine.failure is not None:
+            return f"the engine failed ({self.engine.failure}); " + \
+                ("restarting it" if self.can_restart() else "not restarting it")
+        return None
+
+    def can_restart(self) -> bool:
+        return self.restart is not None and self.restarts < self.max_restarts
+
+    async def watch(self) -> None:
+        """Until cancelled: when the engine has failed, build a new one (once per `max_restarts`); when it
+        may not, record the failure as fatal and call `on_fatal` (the server stops, exit status 1)."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            failure = self.engine.failure
+            if failure is None or self.fatal is not None:
+                continue
+            self.last_failure = failure
+            if not self.can_restart():
+                self.fatal = f"the engine failed ({failure}) after {self.restarts} restart(s)"
+                log.critical("%s: stopping the server", self.fatal)
+                if self.on_fatal is not None:
+                    self.on_fatal(self.fatal)
+                continue
+            log.error("the engine failed (%s): restarting it (%d of %d)", failure, self.restarts + 1,
+                      self.max_restarts)
+            self.restarting = True
+            try:
+                new = await asyncio.to_thread(self.restart)
+            except Exception as exc:
+                self.restarting = False
+                self.fatal = f"the engine failed ({failure}) and restarting it failed ({type(exc).__name__}: {exc})"
+                log.critical("%s: stopping the server", self.fatal, exc_info=exc)
+                if self.on_fatal is not None:
+                    self.on_fatal(self.fatal)
+                continue
+            old = self.engine
+            self._view.retire(old)
+            self.started_engines.append(new)
+            self.engine, self.restarts, self.restarting = new, self.restarts + 1, False
+            await asyncio.to_thread(old.close, 0)
+
+    # ---- access --------------------------------------------------------------------------------------
+    def authorized(self, request: Request) -> None:
+        if self.api_key is None:
             return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+        if not _bearer_is(request, self.api_key):
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
+    def metrics_allowed(self, request: Request) -> None:
+        """/metrics: with a metrics key, only for that key; else, when an API key is set, only from loopback
+        clients; else open."""
+        if self.metrics_key is not None:
+            if not _bearer_is(request, self.metrics_key):
+                raise ApiError(401, "invalid or missing metrics key (send 'Authorization: Bearer <metrics key>')",
+                               code="invalid_api_key")
+        elif self.api_key is not None:
+            client = request.client.host if request.client else ""
+            if client not in LOOPBACK_HOSTS and not client.startswith("127."):
+                raise ApiError(403, "/metrics is served to loopback clients only (set --metrics-key to read it "
+                                    "from elsewhere)", "permission_error", "forbidden")
+
     # ---- plain endpoints -------------------------------------------------------------------------------
-    created = int(time.time())
+    def health(self) -> JSONResponse:
+        why = self.engine_failure()
+        if why is not None:
+            return JSONResponse({"status": "error", "reason": why, "model": self.model_name,
+                                 "restarts": self.restarts}, 503)
+        running, waiting = self.engine.load()
+        body = {"status": "ok", "model": self.model_name, "running": running, "waiting": waiting}
+        if self.restarts:
+            body.update(restarts=self.restarts, last_failure=self.last_failure)
+        return JSONResponse(body)
 
-    @app.get("/health")
-    async def health():
-        running, waiting = engine.load()
-        return {"status": "ok", "model": model_name, "running": running, "waiting": waiting}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "goose", "max_model_len": engine.limit}]}
-
-    @app.get("/", include_in_schema=False)
-    async def playground():
-        return FileResponse(STATIC / "index.html")
-
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "goose", "max_model_len": self.engine.limit}]}
 
     # ---- completions -----------------------------------------------------------------------------------
-    def prepare(body, chat: bool) -> tuple[list[int], int]:
-        """Prompt ids and max_new_tokens of a request (400 on anything goose will not do)."""
+    async def parse(self, http: Request, cls):
+        """The request body as `cls` (OpenAI's error JSON for anything malformed)."""
+        obj = parse_json(await http.body())
+        if not isinstance(obj, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            return cls.model_validate(obj)
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+
+    def prepare(self, body, chat: bool) -> tuple[list[int], int]:
+        """Prompt ids and max_new_tokens of a request (400 on anything goose will not do). Runs on a worker
+        thread: tokenizing a long prompt does not hold up the event loop."""
         why = body.unsupported()
         if why:
             raise ApiError(400, why)
-        if body.model is not None and body.model != model_name:
-            raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{model_name}'",
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"the model '{body.model}' does not exist; this server serves '{self.model_name}'",
                            "not_found_error", "model_not_found", "model")
+        check_stops(body.stop)
+        tok, engine = self.tok, self.engine
         try:
             if chat:
                 ids = encode_chat(tok, [{"role": m.role, "content": m.text()} for m in body.messages])
@@ -259,7 +466,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
         room = None if engine.limit is None else engine.limit - len(ids)
         max_new = body.max_new()
         if max_new is None:
-            max_new = default_max_tokens if chat else 16
+            max_new = self.default_max_tokens if chat else 16
             if room is not None:
                 max_new = min(max_new, room)
         if room is not None and (room < 1 or max_new > room):
@@ -268,8 +475,9 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
                            param="max_tokens")
         return ids, max_new
 
-    async def submit(body, ids: list[int], max_new: int, sink):
-        """An engine request whose committed blocks (tokens, their sources) arrive in the asyncio queue `sink`."""
+    async def submit(self, http: Request, body, ids: list[int], max_new: int, sink: asyncio.Queue):
+        """An engine request whose committed blocks (tokens, their sources) arrive in the asyncio queue `sink`
+        (handed over with `call_soon_threadsafe`: the engine's thread never waits for the event loop)."""
         loop = asyncio.get_running_loop()
         try:
             method = body.method(METHODS)
@@ -280,26 +488,40 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
         ready = threading.Event()
 
         def on_tokens(block):  # engine thread: the slot's sources belong to this very block
-            ready.wait(10)
+            if not box:  # submit returned a moment ago on a worker thread, which fills `box` next
+                ready.wait(5)
             sources = list(box[0].new_sources) if box else []
             loop.call_soon_threadsafe(sink.put_nowait, (list(block), sources))
 
+        tenant = tenant_of(self.api_key and _bearer(http), body.user, getattr(body, "cache_salt", None))
+        engine = self.engine
+
+        def queue_it():  # on a worker thread, so `box` is filled without the event loop
+            req = engine.submit(ids, max_new, False, method=method, on_tokens=on_tokens, tenant=tenant,
+                                stop=stop_checker(self.decode, body.stop), **options)
+            box.append(req.slot)
+            ready.set()
+            return req
+
         try:
-            req = await asyncio.to_thread(engine.submit, ids, max_new, False, method=method, on_tokens=on_tokens,
-                                          stop=stop_checker(decode, body.stop), **options)
+            return await asyncio.to_thread(queue_it)
         except GooseError as exc:
             msg = str(exc)
             if "queue is full" in msg:
                 raise ApiError(429, f"the server is busy: {msg}; retry later", "rate_limit_error",
                                "queue_full", headers={"Retry-After": "1"}) from None
             if "closed" in msg:
+                why = self.engine_failure()
+                if why is not None or engine is not self.engine:
+                    raise ApiError(503, f"the server cannot serve now: {why or 'the engine was restarted'}; retry "
+                                        "later", "server_error", "engine_unavailable",
+                                   headers={"Retry-After": "1"}) from None
                 raise ApiError(503, "the server is shutting down", "server_error", "shutting_down") from None
             raise ApiError(400, msg) from None
-        box.append(req.slot)
-        ready.set()
-        return req
+        except (ValueError, TypeError, OverflowError) as exc:  # options the engine cannot take
+            raise ApiError(400, f"invalid request: {type(exc).__name__}: {exc}") from None
 
-    async def blocks(req, sink: asyncio.Queue):
+    async def blocks(self, req, sink: asyncio.Queue):
         """The request's (tokens, sources) blocks as they come, until it is over."""
         while True:
             try:
@@ -313,6 +535,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
                     yield sink.get_nowait()
                 return
 
+    @staticmethod
     def goose_info(req) -> dict:
         st = req.slot.stats
         return {"method": req.method,
@@ -321,31 +544,35 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
                 "ttft_s": req.ttft_s, "tpot_s": req.tpot_s, "tokens_per_s": round(st.tokens_per_s, 3),
                 "completion_token_ids": list(req.slot.out)}
 
+    @staticmethod
     def usage(req) -> dict:
         st = req.slot.stats
         return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.new_tokens,
                 "total_tokens": st.prompt_tokens + st.new_tokens,
                 "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
 
+    @staticmethod
     def failure(req) -> ApiError:
-        err = req.error
-        return ApiError(500, f"generation failed: {err}", "server_error")
+        return ApiError(500, f"generation failed: {req.error}", "server_error")
 
-    async def complete(http: Request, body, chat: bool):
+    async def complete(self, http: Request, cls, chat: bool):
         endpoint = "chat" if chat else "completions"
+        metrics = self.metrics
         try:
-            ids, max_new = prepare(body, chat)
+            body = await self.parse(http, cls)
+            ids, max_new = await asyncio.to_thread(self.prepare, body, chat)
             sink: asyncio.Queue = asyncio.Queue()
-            req = await submit(body, ids, max_new, sink)
+            req = await self.submit(http, body, ids, max_new, sink)
         except ApiError as exc:
             metrics.refused(endpoint, exc.status_code)
             raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         if body.stream:
-            return StreamingResponse(stream(http, body, chat, req, sink, rid, now), media_type="text/event-stream",
+            return StreamingResponse(self.stream(http, body, chat, req, sink, rid, now),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        emitter = TextEmitter(decode, body.stop)
+        emitter = TextEmitter(self.decode, body.stop)
         try:
             while not req.wait(0):
                 if await http.is_disconnected():
@@ -361,7 +588,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
                 req.cancel()
         metrics.observe(endpoint, req)
         if req.finish_reason not in ("stop", "length"):
-            raise failure(req)
+            raise self.failure(req)
         emitter.feed(list(req.slot.out), [], per_token=False)
         emitter.finish()
         reason = "stop" if emitter.stopped else req.finish_reason
@@ -371,14 +598,16 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
         else:
             choice = {"index": 0, "text": emitter.text, "logprobs": None, "finish_reason": reason}
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now,
-                "model": model_name, "choices": [choice], "usage": usage(req), "goose": goose_info(req)}
+                "model": self.model_name, "choices": [choice], "usage": self.usage(req),
+                "goose": self.goose_info(req)}
 
-    async def stream(http: Request, body, chat: bool, req, sink, rid: str, now: int):
+    async def stream(self, http: Request, body, chat: bool, req, sink, rid: str, now: int):
         endpoint = "chat" if chat else "completions"
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        emitter = TextEmitter(decode, body.stop)
+        emitter = TextEmitter(self.decode, body.stop)
         want_sources = bool(body.sources)
+        model_name = self.model_name
 
         def chunk(content: str | None, reason: str | None = None, role: bool = False, extra: dict | None = None):
             if chat:
@@ -398,7 +627,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
         try:
             if chat:
                 yield chunk(None, role=True)
-            async for tokens, sources in blocks(req, sink):
+            async for tokens, sources in self.blocks(req, sink):
                 pieces = emitter.feed(tokens, sources, per_token=want_sources)
                 if not pieces:
                     continue
@@ -409,9 +638,9 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
                                        "forward_calls": st.forward_calls}}
                 yield chunk("".join(t for t, _ in pieces), extra=extra)
             finished = True
-            metrics.observe(endpoint, req)
+            self.metrics.observe(endpoint, req)
             if req.finish_reason not in ("stop", "length"):
-                err = failure(req)
+                err = self.failure(req)
                 yield sse(error_body(err.message, err.type))
                 yield "data: [DONE]\n\n"
                 return
@@ -424,24 +653,110 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
                                        "forward_calls": st.forward_calls}}
                 yield chunk(tail, extra=extra)
             reason = "stop" if emitter.stopped else req.finish_reason
-            info = {"goose": goose_info(req)}
+            info = {"goose": self.goose_info(req)}
             yield chunk(None, reason, extra=None if include_usage else info)
             if include_usage:
                 yield sse({"id": rid, "object": obj, "created": now, "model": model_name, "choices": [],
-                           "usage": usage(req), **info})
+                           "usage": self.usage(req), **info})
             yield "data: [DONE]\n\n"
         finally:
             if not finished:
                 req.cancel()  # the client went away (or the stream broke): free the slot
-                metrics.requests.labels(endpoint, "cancelled").inc()
+                self.metrics.requests.labels(endpoint, "cancelled").inc()
+
+
+def _bearer(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _bearer_is(request: Request, key: str) -> bool:
+    return secrets.compare_digest(_bearer(request).encode("utf-8", "surrogatepass"), key.encode())
+
+
+def create_app(engine, model_name: str, *, api_key: str | None = None, metrics_key: str | None = None,
+               allowed_hosts=LOOPBACK_HOSTS, max_body_bytes: int = 1 << 20, default_max_tokens: int = 512,
+               drain_timeout: float = 30.0, close_engine: bool = True, restart=None, max_restarts: int = 1,
+               on_fatal=None) -> FastAPI:
+    """The FastAPI app serving `engine` as `model_name` (the state and handlers are a `Serving`, at
+    ``app.state.serving``). `api_key`: bearer token /v1 requires (None: none); `metrics_key`: bearer token
+    /metrics requires (None: /metrics is open, or loopback-only when `api_key` is set); `allowed_hosts`: Host
+    header names served (None: any); `default_max_tokens`: a chat request's limit when it gives none
+    (completions: 16, as OpenAI); `restart()`: builds a new engine when the engine fails, at most
+    `max_restarts` times (None: no restart); after that `on_fatal(reason)` is called; `close_engine`: on
+    shutdown, close the engine, letting running requests finish for `drain_timeout` s (engines built by
+    `restart` are always closed)."""
+    srv = Serving(engine, model_name, api_key=api_key, metrics_key=metrics_key,
+                  default_max_tokens=default_max_tokens, restart=restart, max_restarts=max_restarts,
+                  on_fatal=on_fatal)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        watcher = asyncio.create_task(srv.watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            if close_engine or srv.engine is not engine:
+                await asyncio.to_thread(srv.engine.close, drain_timeout)
+
+    app = FastAPI(title="goose", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.serving, app.state.metrics = srv, srv.metrics
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=frozenset(host_name(h) for h in allowed_hosts))
+
+    # ---- errors: always OpenAI's error JSON ------------------------------------------------------------
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return JSONResponse(error_body(exc.message, exc.type, exc.code, exc.param), exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request, exc: HTTPException):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type_), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        err = validation_error(exc.errors())
+        return JSONResponse(error_body(err.message, param=err.param), 400)
+
+    @app.exception_handler(Exception)
+    async def _crash(request, exc: Exception):
+        log.exception("internal error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), 500)
+
+    # ---- routes --------------------------------------------------------------------------------------
+    def authorized(request: Request) -> None:
+        srv.authorized(request)
+
+    @app.get("/health")
+    async def health():
+        return srv.health()
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        srv.metrics_allowed(request)
+        return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return srv.models()
+
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(http: Request, body: ChatCompletionRequest):
-        return await complete(http, body, chat=True)
+    async def chat_completions(http: Request):
+        return await srv.complete(http, ChatCompletionRequest, chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(http: Request, body: CompletionRequest):
-        return await complete(http, body, chat=False)
+    async def completions(http: Request):
+        return await srv.complete(http, CompletionRequest, chat=False)
 
     return app
 
@@ -476,9 +791,12 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
           max_queue: int = 64, api_key: str | None = None, dtype: str = "float32", device: str = "cpu",
           served_name: str | None = None, drain_timeout: float = 30.0, max_body_bytes: int = 1 << 20,
           default_max_tokens: int = 512, log_level: str = "info", weights: str | None = None,
-          prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> None:
+          prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, metrics_key: str | None = None,
+          allowed_hosts=None, max_restarts: int = 1) -> int:
     """Load `model`, start an Engine and serve it until SIGINT / SIGTERM (running requests get `drain_timeout`
-    seconds to finish)."""
+    seconds to finish). A failed engine is rebuilt up to `max_restarts` times; after that the server stops.
+    `allowed_hosts` None: the loopback names when `host` is a loopback address, else any host. Returns the
+    exit status: 0, or 1 when the server stopped because its engine failed."""
     import uvicorn
 
     from ..engine.scheduler import Engine
@@ -486,7 +804,25 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
 
     tune_malloc()
     net, tok = load_model(model, dtype, device, weights=weights)
-    engine = Engine(net, tok, method, max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb)
-    app = create_app(engine, served_name or Path(model).name, api_key=api_key, max_body_bytes=max_body_bytes,
-                     default_max_tokens=default_max_tokens, drain_timeout=drain_timeout)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
+
+    def build():
+        return Engine(net, tok, method, max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb)
+
+    if allowed_hosts is None:
+        allowed_hosts = LOOPBACK_HOSTS if host_name(host) in LOOPBACK_HOSTS or host.startswith("127.") else None
+    elif "*" in allowed_hosts:
+        allowed_hosts = None
+    server_box: list = []
+
+    def fatal(reason: str) -> None:
+        server_box[0].should_exit = True
+
+    app = create_app(build(), served_name or Path(model).name, api_key=api_key, metrics_key=metrics_key,
+                     allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes,
+                     default_max_tokens=default_max_tokens, drain_timeout=drain_timeout, restart=build,
+                     max_restarts=max_restarts, on_fatal=fatal)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=drain_timeout))
+    server_box.append(server)
+    server.run()
+    return 1 if app.state.serving.fatal is not None else 0

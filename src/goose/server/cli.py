@@ -9,19 +9,45 @@ _port = int_in(1, 65535)
 _non_negative_int = int_in(0)
 
 
+def secret(flag: str | None, path: str | None, env: str, what: str) -> str | None:
+    """A key from its flag, else the first line of its file, else the environment variable `env` (None: none).
+    GooseError for an unreadable or empty file, or for both a flag and a file."""
+    import os
+
+    from ..errors import GooseError
+
+    if flag is not None and path is not None:
+        raise GooseError(f"give the {what} with its flag or its file, not both")
+    if flag is not None:
+        return flag or None
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise GooseError(f"cannot read the {what} file {path}: {exc}") from None
+        if not key:
+            raise GooseError(f"the {what} file {path} is empty")
+        return key
+    return os.environ.get(env) or None
+
+
 def cmd_serve(args) -> int:
+    import sys
+
     from .app import serve
 
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        import sys
-
-        print(f"goose: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
+    api_key = secret(args.api_key, args.api_key_file, "GOOSE_API_KEY", "API key")
+    metrics_key = secret(args.metrics_key, args.metrics_key_file, "GOOSE_METRICS_KEY", "metrics key")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"goose: warning: serving on {args.host} without an API key: anyone who reaches it can use it",
               file=sys.stderr)
-    serve(args.model, args.method, args.host, args.port, args.max_batch, args.max_queue, args.api_key, args.dtype,
-          args.device, served_name=args.served_model_name, drain_timeout=args.drain_timeout,
-          max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
-          weights=getattr(args, "weights", None), prefix_cache_mb=args.prefix_cache_mb)
-    return 0
+    hosts = None if args.allowed_hosts is None else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    return serve(args.model, args.method, args.host, args.port, args.max_batch, args.max_queue, api_key, args.dtype,
+                 args.device, served_name=args.served_model_name, drain_timeout=args.drain_timeout,
+                 max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
+                 weights=getattr(args, "weights", None), prefix_cache_mb=args.prefix_cache_mb,
+                 metrics_key=metrics_key, allowed_hosts=hosts, max_restarts=args.max_restarts)
 
 
 def cmd_bench_serve(args) -> int:
@@ -43,7 +69,18 @@ def register(sub) -> None:
     s.add_argument("--prefix-cache-mb", type=_non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
                    help="room for stored prompt prefixes' keys and values, reused by requests that start with "
                         f"them (a shared system prompt, earlier turns); 0 = off (default {DEFAULT_PREFIX_CACHE_MB})")
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints (visible "
+                   "to other local users in the process list: prefer --api-key-file or GOOSE_API_KEY)")
+    s.add_argument("--api-key-file", default=None, help="read the API key from the first line of this file")
+    s.add_argument("--metrics-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /metrics (also --metrics-key-file, GOOSE_METRICS_KEY); "
+                        "without it, /metrics is open, or loopback clients only when an API key is set")
+    s.add_argument("--metrics-key-file", default=None, help="read the metrics key from the first line of this file")
+    s.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header names served ('*': any); default: localhost,127.0.0.1,::1 "
+                        "when --host is a loopback address, else any")
+    s.add_argument("--max-restarts", type=_non_negative_int, default=1,
+                   help="times a failed engine is rebuilt before the server exits with status 1 (default 1)")
     s.add_argument("--served-model-name", default=None, help="the model id of the API (default: --model's name)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C, seconds running requests get to finish (default 30)")

@@ -9,6 +9,8 @@ gets silently different behaviour from what it asked for. goose's own request fi
 - ``sources``: stream each chunk with a ``goose`` object holding the text pieces and the draft source of
   their tokens (``spine``, ``branch`` or ``bonus``), tokens so far and forward calls (the playground uses it).
 - ``top_k``: as in vLLM.
+- ``cache_salt``: as in vLLM: requests share stored prompt prefixes only with requests of the same salt (and
+  the same API key and ``user``; docs/serving.md, "Tenants").
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict | None = None
+    cache_salt: str | None = None  # the prefix-cache tenant, with the API key and `user`
     # goose extensions
     speculative: str | None = None
     sources: bool | None = False
