@@ -234,7 +234,7 @@ class GatedTokenizer:
 
     def __init__(self, tok) -> None:
         self._tok = tok
-        self.entered, self.gate = threading.Event(), threading.Event()
+        self.entered, self.gate, self.left = threading.Event(), threading.Event(), threading.Event()
 
     def __getattr__(self, name):
         return getattr(self._tok, name)
@@ -242,7 +242,8 @@ class GatedTokenizer:
     def __call__(self, text, *args, **kwargs):
         if isinstance(text, str) and len(text) > 100_000:
             self.entered.set()
-            assert self.gate.wait(TIMEOUT)
+            self.gate.wait(2 * TIMEOUT)
+            self.left.set()
         return self._tok(text, *args, **kwargs)
 
 
@@ -266,8 +267,8 @@ def test_a_1mib_prompt_does_not_stall_other_streams(worded):
             assert gated.entered.wait(TIMEOUT)  # the big prompt is being tokenized now (held there) ...
             seen = len(progress)
             assert streamer.is_alive(), "the stream ended before the big prompt arrived: make it longer"
-            wait_for(lambda: len(progress) >= seen + 5 or not streamer.is_alive(), what="the stream's progress")
-            assert len(progress) >= seen + 5  # ... and the other stream went on meanwhile
+            wait_for(lambda: len(progress) >= seen + 5 or not streamer.is_alive(), TIMEOUT // 2, "the stream")
+            assert len(progress) >= seen + 5 and not gated.left.is_set()  # ... and the other stream went on
             gated.gate.set()
             sender.join(TIMEOUT)
             streamer.join(TIMEOUT)

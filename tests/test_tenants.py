@@ -1,0 +1,125 @@
+"""Tenants of the prefix cache: a request reuses (and `cached_tokens` counts) only blocks stored by requests of
+its own tenant (API key, `user`, `cache_salt`); another tenant sending the same prompt prefills it itself and
+gets the same tokens; all tenants share one byte budget."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import TINY_EOS, TINY_VOCAB, greedy_memo, hf_greedy, make_tiny_llama
+from goose import Engine
+from goose.backends import cpukernel
+from goose.backends.lean import LeanForward, Segment
+from goose.engine.prefix import BLOCK, PrefixCache
+
+needs_kernel = pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
+
+
+@pytest.fixture(scope="module")
+def model32():
+    return make_tiny_llama(torch.float32, seed=7)
+
+
+def _filled(fwd, tokens):
+    cache = fwd.new_cache()
+    cache.reset()
+    with torch.inference_mode():
+        fwd.run([Segment(cache, tokens)])
+    return cache
+
+
+@needs_kernel
+def test_the_store_finds_only_the_tenants_own_blocks(model32):
+    fwd = LeanForward(model32)
+    tokens = list(range(2, 2 + 3 * BLOCK))
+    block_bytes = _filled(fwd, tokens).entries(0, BLOCK).numel() * 4
+    store = PrefixCache(6 * block_bytes)
+    store.store(tokens, _filled(fwd, tokens), tenant="a")
+    assert store.attach(tokens + [1], fwd.new_cache(), tenant="b") == 0
+    assert store.attach(tokens + [1], fwd.new_cache()) == 0  # the anonymous tenant is a tenant of its own
+    assert store.attach(tokens + [1], fwd.new_cache(), tenant="a") == 3 * BLOCK
+    assert store.hits == 3 * BLOCK
+    store.store(tokens, _filled(fwd, tokens), tenant="b")  # the same tokens, stored again for b
+    assert len(store) == 6 and store.attach(tokens + [1], fwd.new_cache(), tenant="b") == 3 * BLOCK
+    other = list(range(40, 40 + 3 * BLOCK))
+    store.store(other, _filled(fwd, other), tenant="c")  # one budget for all: the least recently used go
+    assert store.bytes <= store.max_bytes and store.evicted == 3
+    assert store.attach(tokens + [1], fwd.new_cache(), tenant="a") < 3 * BLOCK  # a's were the oldest
+
+
+@needs_kernel
+def test_another_tenant_gets_no_cached_tokens_and_the_same_output(model32):
+    rng = random.Random(11)
+    prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(4 * BLOCK + 3)]
+    want = greedy_memo(model32, prompt, 10)
+    with Engine(model32, None, "goose", max_batch=2) as eng:
+        first = eng.generate(prompt, 10, tenant="alice")
+        again = eng.generate(prompt, 10, tenant="alice")
+        other = eng.generate(prompt, 10, tenant="bob")
+        anon = eng.generate(prompt, 10)
+    assert first.stats.cached_tokens == 0 and again.stats.cached_tokens == 4 * BLOCK
+    assert other.stats.cached_tokens == 0 and anon.stats.cached_tokens == 0
+    assert first.token_ids == again.token_ids == other.token_ids == anon.token_ids == want
+
+
+@needs_kernel
+def test_tenants_admitted_together_do_not_wait_for_each_other(model32):
+    """Requests admitted in one step with the same prompt: only those of the same tenant wait for the first's
+    prefill and copy it."""
+    import threading
+
+    rng = random.Random(12)
+    prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(4 * BLOCK + 3)]
+    eng = Engine(model32, None, "goose", max_batch=3, thread=False)
+    reqs = [eng.submit(prompt, 8, tenant=t) for t in ("a", "b", "a")]
+    closer = threading.Timer(0.2, eng.close)
+    closer.start()
+    eng.run()
+    results = [r.result(timeout=60) for r in reqs]
+    assert [r.stats.cached_tokens for r in results] == [0, 0, 4 * BLOCK]
+    assert all(r.token_ids == greedy_memo(model32, prompt, 8) for r in results)
+
+
+# ---- through the server: `user`, `cache_salt`, API key -------------------------------------------------
+
+@needs_kernel
+def test_tenants_through_the_api():
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from serving import live_server
+    from transformers import AutoTokenizer
+
+    from goose.decoding import encode_chat
+    from goose.loading.model import model_dir
+
+    tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
+    model = make_tiny_llama(dtype=torch.float32, vocab=len(tok), seed=2)
+    system = "You are the assistant of tenant A. Their secret plan: migrate the geese north in May. " * 2
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "What is the plan?"}]
+    want = hf_greedy(model, encode_chat(tok, messages), 8, eos=TINY_EOS)
+    eng = Engine(model, tok, "goose", max_batch=2)
+    try:
+        with live_server(eng) as base:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+
+            def ask(**kw):
+                r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                   **kw)
+                assert r.model_extra["goose"]["completion_token_ids"] == want
+                return r.usage.prompt_tokens_details.cached_tokens
+
+            assert ask(user="alice") == 0
+            assert ask(user="alice") > 0  # the same tenant reuses its prefix
+            assert ask(user="bob") == 0  # another tenant learns nothing of alice's prompt
+            assert ask() == 0  # nor does the anonymous tenant
+            assert ask(user="alice", extra_body={"cache_salt": "s1"}) == 0  # a salt is a tenant of its own
+            assert ask(user="alice", extra_body={"cache_salt": "s1"}) > 0
+        with live_server(eng, api_key="key-1") as base:  # with a key, the key is part of the tenant
+            client = openai.OpenAI(base_url=base + "/v1", api_key="key-1", max_retries=0, timeout=60)
+            assert ask(user="alice") == 0
+            assert ask(user="alice") > 0
+    finally:
+        eng.close(timeout=10, cancel=True)
