@@ -448,3 +448,12 @@ def test_text_costs_the_same_per_token_however_long_the_output(tokenizer):
     em.finish()
     assert em.text == tokenizer.decode(ids, skip_special_tokens=True)
     assert streamed <= 6 * len(ids)  # the old whole-text decoding: ~n^2/2 = 180,000 tokens
+
+
+def test_make_test_shows_skip_reasons():
+    """Every pytest command of the Makefile (what `make test` and CI run) reports why tests were skipped."""
+    from pathlib import Path
+
+    makefile = (Path(__file__).parent.parent / "Makefile").read_text()
+    commands = [line for line in makefile.splitlines() if "-m pytest" in line]
+    assert commands and all(" -rs " in line for line in commands), commands

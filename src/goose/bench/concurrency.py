@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import platform
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,7 @@ def run_method(model, tok, method: str, prompts: list[list[int]], max_new: int, 
             reqs.append(eng.submit(ids, max_new, **options))
         results = [r.result() for r in reqs]
         wall = time.perf_counter() - t0
-        sizes = list(eng.batch_sizes)
+        counts = list(eng.batch_counts)  # steps per batch size
     tokens = sum(len(r.token_ids) for r in results)
     ttft = [r.ttft_s for r in reqs]
     tpot = [r.tpot_s for r in reqs if r.tpot_s is not None]
@@ -68,7 +67,8 @@ def run_method(model, tok, method: str, prompts: list[list[int]], max_new: int, 
     return {"method": method, "requests": len(reqs), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
             "tpot_p50_s": percentile(tpot, 50), "tpot_p95_s": percentile(tpot, 95),
-            "tau": tokens / calls if calls else 0.0, "mean_batch": statistics.fmean(sizes) if sizes else 0.0,
+            "tau": tokens / calls if calls else 0.0,
+            "mean_batch": sum(n * c for n, c in enumerate(counts)) / sum(counts) if sum(counts) else 0.0,
             "cached_tokens": sum(r.stats.cached_tokens for r in results),
             "prompt_tokens": sum(len(p) for p in prompts), "outputs": [r.token_ids for r in results]}
 
