@@ -222,7 +222,7 @@ class TextEmitter:
             if self.stopped:
                 break
             self.ids.extend(toks)
-            piece = self._advance(final=False)
+            piece = self._advance()
             if piece:
                 pieces.append((piece, SOURCE_NAMES.get(srcs[-1], "bonus") if srcs else "bonus"))
         return pieces
@@ -245,7 +245,8 @@ class TextEmitter:
     def text(self) -> str:
         return self.shown
 
-    def _advance(self, final: bool) -> str:
+    def _advance(self) -> str:
+        final = False
         before = self.decode(self.ids[self._prefix:self._read])
         now = self.decode(self.ids[self._prefix:])
         if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
