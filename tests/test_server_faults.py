@@ -457,3 +457,24 @@ def test_make_test_shows_skip_reasons():
     makefile = (Path(__file__).parent.parent / "Makefile").read_text()
     commands = [line for line in makefile.splitlines() if "-m pytest" in line]
     assert commands and all(" -rs " in line for line in commands), commands
+
+
+def test_a_prompt_the_tokenizer_refuses_is_a_400(idle_engine):
+    from jinja2 import TemplateError
+
+    from goose.server.schema import ChatCompletionRequest
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(idle_engine.tokenizer, name)
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise TemplateError("roles must alternate")
+
+    srv = Serving(idle_engine, "tiny")
+    srv.tok = Refusing()
+    body = ChatCompletionRequest(messages=[{"role": "assistant", "content": "x"}])
+    with pytest.raises(ApiError) as info:
+        srv.prepare(body, True)
+    assert info.value.status_code == 400 and "roles must alternate" in info.value.message
+    assert info.value.param == "messages"

@@ -462,6 +462,11 @@ class Serving:
                     ids = prompt
         except GooseError as exc:
             raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
+        except Exception as exc:  # the tokenizer or its chat template refused this input
+            log.warning("tokenizing a request failed", exc_info=exc)
+            raise ApiError(400, f"the {'messages' if chat else 'prompt'} could not be tokenized: "
+                                f"{type(exc).__name__}: {str(exc)[:200]}", param="messages" if chat else "prompt") \
+                from None
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         room = None if engine.limit is None else engine.limit - len(ids)
