@@ -162,6 +162,10 @@ class Engine:
     where reuse gives the same bits). A request admitted beside an earlier one whose prompt shares its first
     blocks waits for that prefill to end, then copies them.
 
+    Failures: an exception in one request's own stage (its cache allocation, prefix attach or store, its
+    callbacks) fails that request alone; the step loop itself failing sets `failure` (the reason), fails
+    every queued and running request with it and closes the engine (docs/reliability.md).
+
     `thread`: True (default) runs the step loop on a background thread of the engine's own; False leaves it
     to the caller: `run()` runs it on the calling thread until `close()`. torch's OpenMP runtime (libgomp)
     keeps a team of worker threads per thread that ran torch work, and once the process holds more such
