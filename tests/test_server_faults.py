@@ -478,3 +478,17 @@ def test_a_prompt_the_tokenizer_refuses_is_a_400(idle_engine):
         srv.prepare(body, True)
     assert info.value.status_code == 400 and "roles must alternate" in info.value.message
     assert info.value.param == "messages"
+
+
+def test_goose_serve_on_a_taken_port_exits_with_status_2(worded, tmp_path, capsys):
+    from goose.cli import main
+
+    model, tok = worded
+    model.save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tmp_path / "tiny"), "--port", str(port), "--method", "ar"]) == 2
+    assert f"could not start on 127.0.0.1:{port}" in capsys.readouterr().err
