@@ -802,8 +802,8 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
     """Load `model`, start an Engine and serve it until SIGINT / SIGTERM (running requests get `drain_timeout`
     seconds to finish). A failed engine is rebuilt up to `max_restarts` times; after that the server stops.
     `allowed_hosts` None: the loopback names when `host` is a loopback address, else any host. Returns the
-    exit status: 0, or 1 when the server stopped because its engine failed; GooseError when it could not
-    start."""
+    exit status: 0, or 1 when the server stopped because its engine failed (uvicorn itself exits with status
+    1 or 3 when it cannot start, e.g. on a taken port)."""
     import uvicorn
 
     from ..engine.scheduler import Engine
@@ -832,6 +832,6 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
                                            timeout_graceful_shutdown=drain_timeout))
     server_box.append(server)
     server.run()
-    if not server.started:  # uvicorn logged why (e.g. the port is taken)
+    if not server.started:  # uvicorn logged why
         raise GooseError(f"the server could not start on {host}:{port}")
     return 1 if app.state.serving.fatal is not None else 0
