@@ -417,3 +417,59 @@ def test_cli_bench_concurrency(tiny, tmp_path, capsys):
     assert main(argv[:-2] + ["--rate", "50"]) == 0  # Poisson arrivals
     assert main(argv[:6] + ["hf-ar"] + argv[7:]) == 2
     assert "cannot run there" in capsys.readouterr().err
+
+
+def _linears(model) -> list:
+    """Every module that multiplies by a weight matrix: `nn.Linear` and whatever goose swaps in for one."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("Linear")]
+
+
+def test_hf_baselines_run_on_their_own_plain_transformers_copy(tiny, tmp_path, monkeypatch):
+    """`hf-ar` / `hf-pld` time Hugging Face's own modules and kernels: a copy of the model whose linear layers
+    are all plain `nn.Linear`, never the model goose's methods run on (packed or quantized by goose)."""
+    from goose.bench import cli as bench_cli
+    from goose.bench import engines
+    from goose.cli import main
+
+    loaded, runners = [], []
+    real_load, real_runner = engines.load_baseline, bench_cli.Runner
+
+    def spy_load(*a, **k):
+        loaded.append(real_load(*a, **k))
+        return loaded[-1]
+
+    def spy_runner(*a, **k):
+        runners.append(real_runner(*a, **k))
+        return runners[-1]
+
+    monkeypatch.setattr(bench_cli, "load_baseline", spy_load)
+    monkeypatch.setattr(bench_cli, "Runner", spy_runner)
+    mdir = saved(tiny, tmp_path)
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"id": "a", "category": "x", "turns": ["Write a short story about a robot"]}\n')
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(mdir), "--dataset", f"jsonl:{data}", "--methods", "goose,hf-ar,hf-pld",
+                 "--max-new-tokens", "6", "--out", str(out), "--no-progress"]) == 0
+    assert len(loaded) == 1 and len(runners) == 1
+    base = loaded[0][0]
+    layers = _linears(base)
+    assert layers and all(type(m) is torch.nn.Linear for m in layers)
+    engines_ = runners[0].engines
+    assert engines_["hf-ar"].model is base and engines_["hf-pld"].model is base
+    assert engines_["goose"].decoder.model is not base  # goose's methods keep their own (packed) model
+    assert json.loads((out / "run.json").read_text())["baseline_weights"] == "float32 (transformers)"
+
+
+def test_goose_methods_alone_load_no_baseline(tiny, tmp_path, monkeypatch):
+    from goose.bench import cli as bench_cli
+    from goose.cli import main
+
+    def refuse(*a, **k):
+        raise AssertionError("a baseline copy was loaded without an hf-* method")
+
+    monkeypatch.setattr(bench_cli, "load_baseline", refuse)
+    mdir = saved(tiny, tmp_path)
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"id": "a", "category": "x", "turns": ["What is the capital of France ?"]}\n')
+    assert main(["bench", "--model", str(mdir), "--dataset", f"jsonl:{data}", "--methods", "pld",
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "out"), "--no-progress"]) == 0

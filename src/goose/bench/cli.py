@@ -13,7 +13,7 @@ from ..engine.prefix import DEFAULT_PREFIX_CACHE_MB
 from ..errors import GooseError
 from ..loading.model import DEFAULT_MODEL
 from . import datasets, store
-from .engines import ALL_METHODS, method_settings
+from .engines import ALL_METHODS, HF_METHODS, load_baseline, method_settings
 from .plots import write_plots
 from .report import console_table, render
 from .runner import Runner, with_reference
@@ -62,18 +62,17 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     methods = with_reference(args.methods)
     settings = method_settings(methods)  # a missing datastore fails here, before the model load
     t0 = time.perf_counter()
-    # Hugging Face's methods measure HF's own float32 modules and kernels: the weights are then not packed
-    # (goose's methods pack their own copy; the same panels and kernel, so the same speed)
-    from .engines import HF_METHODS
-
-    pack = not any(m in HF_METHODS for m in methods)
-    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None), pack=pack)
+    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
+    # Hugging Face's methods run on their own copy: float32 in transformers' modules and kernels
+    baseline = load_baseline(args.model, args.dtype, args.device)[0] if any(m in HF_METHODS for m in methods) \
+        else None
     from ..backends.quant import weights_kind
 
     runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"],
-                    sampling=pinned["sampling"])
+                    sampling=pinned["sampling"], baseline=baseline)
     meta = {**store.environment(pinned["model"], model, args.dtype, args.device, argv), **pinned,
-            "weights": weights_kind(model), "dataset": dataset, "repeats": args.repeats,
+            "weights": weights_kind(model), "baseline_weights": None if baseline is None else "float32 (transformers)",
+            "dataset": dataset, "repeats": args.repeats,
             "method_settings": {**(old or {}).get("method_settings", {}), **settings},
             "methods": methods + [m for m in (old or {}).get("methods", []) if m not in methods]}
     store.open_run(out, meta)
