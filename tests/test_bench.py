@@ -427,12 +427,11 @@ def _linears(model) -> list:
 def test_hf_baselines_run_on_their_own_plain_transformers_copy(tiny, tmp_path, monkeypatch):
     """`hf-ar` / `hf-pld` time Hugging Face's own modules and kernels: a copy of the model whose linear layers
     are all plain `nn.Linear`, never the model goose's methods run on (packed or quantized by goose)."""
-    from goose.bench import cli as bench_cli
-    from goose.bench import engines
+    from goose.bench import engines, runner
     from goose.cli import main
 
     loaded, runners = [], []
-    real_load, real_runner = engines.load_baseline, bench_cli.Runner
+    real_load, real_runner = engines.load_baseline, runner.Runner
 
     def spy_load(*a, **k):
         loaded.append(real_load(*a, **k))
@@ -442,8 +441,8 @@ def test_hf_baselines_run_on_their_own_plain_transformers_copy(tiny, tmp_path, m
         runners.append(real_runner(*a, **k))
         return runners[-1]
 
-    monkeypatch.setattr(bench_cli, "load_baseline", spy_load)
-    monkeypatch.setattr(bench_cli, "Runner", spy_runner)
+    monkeypatch.setattr(engines, "load_baseline", spy_load)
+    monkeypatch.setattr(runner, "Runner", spy_runner)
     mdir = saved(tiny, tmp_path)
     data = tmp_path / "q.jsonl"
     data.write_text('{"id": "a", "category": "x", "turns": ["Write a short story about a robot"]}\n')
@@ -461,13 +460,13 @@ def test_hf_baselines_run_on_their_own_plain_transformers_copy(tiny, tmp_path, m
 
 
 def test_goose_methods_alone_load_no_baseline(tiny, tmp_path, monkeypatch):
-    from goose.bench import cli as bench_cli
+    from goose.bench import engines
     from goose.cli import main
 
     def refuse(*a, **k):
         raise AssertionError("a baseline copy was loaded without an hf-* method")
 
-    monkeypatch.setattr(bench_cli, "load_baseline", refuse)
+    monkeypatch.setattr(engines, "load_baseline", refuse)
     mdir = saved(tiny, tmp_path)
     data = tmp_path / "q.jsonl"
     data.write_text('{"id": "a", "category": "x", "turns": ["What is the capital of France ?"]}\n')

@@ -3,8 +3,9 @@
 goose methods run through one reused `goose.Decoder`; `hf-ar` and `hf-pld` are Hugging Face's own
 `model.generate(do_sample=False)` (plain and with `prompt_lookup_num_tokens=10`), what users run today:
 they run on their own copy of the model (`load_baseline`), float32 weights in transformers' own modules
-and kernels, never on goose's packed or quantized layers. For those, a forward pre-hook (installed only during the call) counts target forwards and reads the
-cache length before each one, which gives tokens per forward and per-step accepted lengths as well.
+and kernels, never on goose's packed or quantized layers. For those, a forward pre-hook (installed only
+during the call) counts target forwards and reads the cache length before each one, which gives tokens per
+forward and per-step accepted lengths as well.
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ from ..decoding import Decoder
 from ..drafting import datastore
 from ..engine.methods import METHODS
 from ..errors import GooseError
-
-HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}
-ALL_METHODS = METHODS + tuple(HF_METHODS)
+from .methods import ALL_METHODS, HF_METHODS
 
 
 def load_baseline(model: str, dtype: str = "float32", device: str | None = "cpu"):

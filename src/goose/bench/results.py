@@ -90,8 +90,8 @@ def render(summary: dict, command: str, bench_command: str, cpu: str, date: str)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .cli import spec_bench_file
     from ..cli import main as goose_main
+    from .cli import spec_bench_file
 
     p = argparse.ArgumentParser(prog="python -m goose.bench.results", description=__doc__.split("\n\n")[0])
     p.add_argument("--limit", type=int, default=LIMIT, help=f"questions per category (default {LIMIT})")
