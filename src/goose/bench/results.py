@@ -4,7 +4,8 @@ the date and the command, to a markdown file the README quotes (docs/results/cur
     python -m goose.bench.results [--limit N] [--max-new-tokens N] [--methods ...] [--out DIR] [--write FILE]
 
 The run is an ordinary `goose bench` directory (resumable: rerun the same command after an interruption);
-this module only chooses its settings and renders the table.
+this module only chooses its settings, renders the table and copies it into README.md between the
+`<!-- results: ... -->` and `<!-- end results -->` lines.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +29,8 @@ LIMIT = 1  # questions per Spec-Bench category (13 categories)
 MAX_NEW = 128
 OUT = "runs/results"
 WRITE = "docs/results/current.md"
+README = "README.md"
+QUOTE = re.compile(r"(<!-- results:[^\n]*-->\n)(.*?)(\n<!-- end results -->)", re.S)
 # what each method is, in the table's words
 MEANING = {
     "ar": "goose's own loop, one token per forward (the lossless reference)",
@@ -89,6 +93,14 @@ def render(summary: dict, command: str, bench_command: str, cpu: str, date: str)
     return "\n".join(lines) + "\n"
 
 
+def quote(readme: str, results: str) -> str:
+    """`readme` with the text between its results markers replaced by `results` (its title line dropped)."""
+    body = "\n".join(line for line in results.strip().splitlines() if not line.startswith("# ")).strip()
+    if not QUOTE.search(readme):
+        raise GooseError("README.md has no '<!-- results: ... -->' ... '<!-- end results -->' lines")
+    return QUOTE.sub(lambda m: m.group(1) + body + m.group(3), readme, count=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..cli import main as goose_main
     from .cli import spec_bench_file
@@ -101,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=OUT, help=f"the bench directory (default {OUT})")
     p.add_argument("--write", default=WRITE, help=f"the markdown file to write (default {WRITE})")
     p.add_argument("--command", default="make results", help="the command recorded in the file")
+    p.add_argument("--no-run", action="store_true", help="only render the table from the finished run in --out")
+    p.add_argument("--readme", default=README, help=f"the README that quotes the file (default {README}; '' for none)")
     args = p.parse_args(argv)
     dataset = args.dataset
     if dataset is None:
@@ -111,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         dataset = f"spec-bench:{spec}"
     bench = ["bench", "--dataset", dataset, "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
              "--methods", args.methods, "--out", args.out]
-    rc = goose_main(bench)
+    rc = 0 if args.no_run else goose_main(bench)
     if rc != 0:
         return rc
     summary = json.loads((Path(args.out) / "summary.json").read_text(encoding="utf-8"))
@@ -122,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     cachefs.write_text(path, text)
     print(f"results: {path}", file=sys.stderr)
+    if args.readme and Path(args.readme).is_file():
+        readme = Path(args.readme)
+        cachefs.write_text(readme, quote(readme.read_text(encoding="utf-8"), text))
+        print(f"results: quoted in {readme}", file=sys.stderr)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Aggregate the answers files of a run into `summary.json` (spec §7 metric definitions).
+"""Aggregate the answers files of a run into `summary.json`: τ (new tokens per target forward), MAT (mean
+accepted tokens per step + 1), acceptance per draft source (spine, branch) and tokens per second, per method.
 
 Tables compare methods on the same prompts: only questions that every method has answered count (a
 partial or interrupted run reports how many were left out). Ratios are of sums (tokens / seconds,
