@@ -472,3 +472,63 @@ def test_goose_methods_alone_load_no_baseline(tiny, tmp_path, monkeypatch):
     data.write_text('{"id": "a", "category": "x", "turns": ["What is the capital of France ?"]}\n')
     assert main(["bench", "--model", str(mdir), "--dataset", f"jsonl:{data}", "--methods", "pld",
                  "--max-new-tokens", "4", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+
+
+def test_results_file_names_cpu_commit_command_and_every_method(run_dir):
+    from goose.bench import results
+    from goose.bench.summary import summarize
+
+    summary = summarize(run_dir)
+    text = results.render(summary, "make results", "goose bench --limit 1", "Some CPU", "2026-01-01 00:00 UTC")
+    assert "- CPU: Some CPU" in text and "`make results`" in text and "goose bench --limit 1" in text
+    assert "2026-01-01 00:00 UTC" in text and f"`{summary['meta'].get('git_commit')}`" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert [r.split(" | ")[0][2:] for r in rows] == summary["methods"]
+    hf = next(r for r in rows if r.startswith("| hf-ar "))
+    assert " 1.00x " in hf  # hf-ar against itself
+    assert results.cpu_name()  # lscpu, /proc/cpuinfo or platform: never empty
+
+
+def test_results_are_quoted_between_the_readme_markers():
+    from goose.bench import results
+
+    readme = "# x\n\nintro\n<!-- results: file -->\nold table\nold line\n<!-- end results -->\n\nrest\n"
+    out = results.quote(readme, "# Current results\n\n- CPU: c\n\n| a |\n")
+    assert out == "# x\n\nintro\n<!-- results: file -->\n- CPU: c\n\n| a |\n<!-- end results -->\n\nrest\n"
+    assert results.quote(out, "# Current results\n\n- CPU: c\n\n| a |\n") == out  # idempotent
+    with pytest.raises(GooseError, match="results"):
+        results.quote("# no markers\n", "x")
+
+
+def test_demo_verdict_says_what_the_numbers_mean(run_dir):
+    from goose.bench.cli import demo_verdict
+    from goose.bench.summary import summarize
+
+    summary = summarize(run_dir)
+    line = demo_verdict(summary)
+    cell = summary["table"]["goose"]["all"]
+    assert line.startswith("demo: goose made ") and "\n" not in line
+    assert f"{cell['tokens_per_s'] / summary['table']['hf-ar']['all']['tokens_per_s']:.2f}x Hugging Face generate" in line
+    assert "hf-pld" in line and "(ar)" in line
+    assert f"{cell['lossless']} of {cell['checked']} answers token-identical to ar" in line
+
+
+@pytest.mark.parametrize("with_spec_bench", [True, False])
+def test_demo_runs_12_questions_with_goose_and_the_three_baselines(monkeypatch, with_spec_bench):
+    from goose.bench import cli as bench_cli
+    from goose.cli import main
+
+    seen = {}
+
+    def fake_run(args, questions, dataset, argv):
+        seen.update(methods=args.methods, questions=questions, dataset=dataset, tokens=args.max_new_tokens)
+        return 3  # (not 0: no verdict to print)
+
+    if not with_spec_bench:
+        monkeypatch.setattr(bench_cli, "spec_bench_file", lambda: None)
+    elif bench_cli.spec_bench_file() is None:
+        pytest.skip("Spec-Bench's question file is not beside the repository")
+    monkeypatch.setattr(bench_cli, "run_bench", fake_run)
+    assert main(["demo"]) == 3
+    assert seen["methods"] == ["goose", "hf-ar", "hf-pld"] and seen["tokens"] == 48  # ar is added by the runner
+    assert len(seen["questions"]) == 12 and len({q.question_id for q in seen["questions"]}) == 12

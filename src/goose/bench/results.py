@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help=f"per turn (default {MAX_NEW})")
     p.add_argument("--methods", default=METHODS, help=f"default {METHODS}")
     p.add_argument("--dataset", help="default: Spec-Bench's question file in shared/ beside the repository")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on a busy machine)")
     p.add_argument("--out", default=OUT, help=f"the bench directory (default {OUT})")
     p.add_argument("--write", default=WRITE, help=f"the markdown file to write (default {WRITE})")
     p.add_argument("--command", default="make results", help="the command recorded in the file")
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                              "the repository; pass --dataset spec-bench:PATH")
         dataset = f"spec-bench:{spec}"
     bench = ["bench", "--dataset", dataset, "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
-             "--methods", args.methods, "--out", args.out]
+             "--methods", args.methods, "--out", args.out] + ([] if args.threads is None else ["--threads", str(args.threads)])
     rc = 0 if args.no_run else goose_main(bench)
     if rc != 0:
         return rc
