@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                              "the repository; pass --dataset spec-bench:PATH")
         dataset = f"spec-bench:{spec}"
     bench = ["bench", "--dataset", dataset, "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
-             "--methods", args.methods, "--out", args.out] + ([] if args.threads is None else ["--threads", str(args.threads)])
+             "--methods", args.methods, "--out", args.out]
+    if args.threads is not None:
+        bench += ["--threads", str(args.threads)]
     rc = 0 if args.no_run else goose_main(bench)
     if rc != 0:
         return rc
