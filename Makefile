@@ -15,7 +15,7 @@ TORCH   := torch==2.13.0
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.goose-vllm-installed
 
-# constraints.txt: the exact tested set of every package (README "Install with pip").
+# constraints.txt: the exact tested set of every package (docs/usage.md "Install with pip").
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip

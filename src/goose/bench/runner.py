@@ -186,7 +186,8 @@ class Runner:
         parts = []
         for m, (tokens, fwd, secs) in self.live.items():
             tps = tokens / secs if secs else 0.0
-            parts.append(f"{m} {tps:.1f}t/s" if m in ("ar", "hf-ar") else f"{m} τ{tokens / max(fwd, 1):.2f} {tps:.1f}t/s")
+            plain = m in ("ar", "hf-ar")
+            parts.append(f"{m} {tps:.1f}t/s" if plain else f"{m} τ{tokens / max(fwd, 1):.2f} {tps:.1f}t/s")
         return " | ".join(parts)
 
 

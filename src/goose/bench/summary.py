@@ -83,7 +83,8 @@ def summarize(out: Path) -> dict:
     by_method = {m: rows for m, rows in store.load_all(out).items() if rows}
     if not by_method:
         raise GooseError(f"{out} holds no answers yet")
-    order = [m for m in meta.get("methods", []) if m in by_method] + sorted(set(by_method) - set(meta.get("methods", [])))
+    named = meta.get("methods", [])
+    order = [m for m in named if m in by_method] + sorted(set(by_method) - set(named))
     ids = [{r["question_id"] for r in by_method[m]} for m in order]
     common = set.intersection(*ids)
     categories: list[str] = []
