@@ -479,8 +479,9 @@ def test_results_file_names_cpu_commit_command_and_every_method(run_dir):
     from goose.bench.summary import summarize
 
     summary = summarize(run_dir)
-    text = results.render(summary, "make results", "goose bench --limit 1", "Some CPU", "2026-01-01 00:00 UTC")
-    assert "- CPU: Some CPU" in text and "`make results`" in text and "goose bench --limit 1" in text
+    load = results.load_line((1.5, 1.0, 1.0), (2.0, 1.0, 1.0))
+    text = results.render(summary, "make results", "goose bench --limit 1", "Some CPU", "2026-01-01 00:00 UTC", load)
+    assert "- CPU: Some CPU" in text and "before 1.5, after 2.0" in text and "`make results`" in text and "goose bench --limit 1" in text
     assert "2026-01-01 00:00 UTC" in text and f"`{summary['meta'].get('git_commit')}`" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| method")]
     assert [r.split(" | ")[0][2:] for r in rows] == summary["methods"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import re
 import subprocess
@@ -59,7 +60,14 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def render(summary: dict, command: str, bench_command: str, cpu: str, date: str) -> str:
+def load_line(before: tuple | None, after: tuple | None) -> str:
+    """The machine's 1-minute load average before and after the run, against its CPU count: how busy it was."""
+    cpus = os.cpu_count()
+    parts = [f"{when} {load[0]:.1f}" for when, load in (("before", before), ("after", after)) if load]
+    return f"- load average (1 min) {', '.join(parts)}, on {cpus} CPUs" if parts else ""
+
+
+def render(summary: dict, command: str, bench_command: str, cpu: str, date: str, load: str = "") -> str:
     """The markdown file: where and how the numbers were made, then one row per method."""
     meta = summary["meta"]
     table = summary["table"]
@@ -75,6 +83,7 @@ def render(summary: dict, command: str, bench_command: str, cpu: str, date: str)
         f"hf-* run on their own float32 copy in transformers' modules",
         f"- questions: {summary['questions']} from Spec-Bench ({len(cats)} categories), "
         f"{meta.get('max_new_tokens')} new tokens per turn, greedy",
+        *([load] if load else []),
         "",
         "| method | what it is | tokens/s | vs hf-ar | vs ar | tokens per forward | identical to ar |",
         "|---|---|---|---|---|---|---|",
@@ -91,6 +100,13 @@ def render(summary: dict, command: str, bench_command: str, cpu: str, date: str)
                       "each with both tokens' logits (hf-* run Hugging Face's float32 forward, which agrees with "
                       "goose's kernels up to floating-point near-ties)."]
     return "\n".join(lines) + "\n"
+
+
+def _loadavg() -> tuple | None:
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None
 
 
 def quote(readme: str, results: str) -> str:
@@ -128,13 +144,15 @@ def main(argv: list[str] | None = None) -> int:
              "--methods", args.methods, "--out", args.out]
     if args.threads is not None:
         bench += ["--threads", str(args.threads)]
+    before = None if args.no_run else _loadavg()
     rc = 0 if args.no_run else goose_main(bench)
     if rc != 0:
         return rc
     summary = json.loads((Path(args.out) / "summary.json").read_text(encoding="utf-8"))
     shown = " ".join(["goose"] + [a if " " not in a else f"'{a}'" for a in bench])
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    text = render(summary, args.command, shown.replace(str(Path.cwd()) + "/", ""), cpu_name(), date)
+    text = render(summary, args.command, shown.replace(str(Path.cwd()) + "/", ""), cpu_name(), date,
+                  load_line(before, _loadavg()))
     path = Path(args.write)
     path.parent.mkdir(parents=True, exist_ok=True)
     cachefs.write_text(path, text)
