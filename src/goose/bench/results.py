@@ -82,7 +82,8 @@ def render(summary: dict, command: str, bench_command: str, cpu: str, date: str,
         f"- model: {Path(str(meta.get('model'))).name}, {meta.get('dtype')}, goose's weights: {meta.get('weights')}; "
         f"hf-* run on their own float32 copy in transformers' modules",
         f"- questions: {summary['questions']} from Spec-Bench ({len(cats)} categories), "
-        f"{meta.get('max_new_tokens')} new tokens per turn, greedy",
+        f"{meta.get('max_new_tokens')} new tokens per turn, greedy, "
+        f"{'chat template' if meta.get('chat') else 'raw prompts'}",
         *([load] if load else []),
         "",
         "| method | what it is | tokens/s | vs hf-ar | vs ar | tokens per forward | identical to ar |",
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help=f"per turn (default {MAX_NEW})")
     p.add_argument("--methods", default=METHODS, help=f"default {METHODS}")
     p.add_argument("--dataset", help="default: Spec-Bench's question file in shared/ beside the repository")
+    p.add_argument("--raw", action="store_true",
+                   help="raw prompts (default: the chat template; an instruct model answers raw prompts briefly)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on a busy machine)")
     p.add_argument("--out", default=OUT, help=f"the bench directory (default {OUT})")
     p.add_argument("--write", default=WRITE, help=f"the markdown file to write (default {WRITE})")
@@ -142,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         dataset = f"spec-bench:{spec}"
     bench = ["bench", "--dataset", dataset, "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
              "--methods", args.methods, "--out", args.out]
+    if not args.raw:
+        bench.append("--chat")
     if args.threads is not None:
         bench += ["--threads", str(args.threads)]
     before = None if args.no_run else _loadavg()
