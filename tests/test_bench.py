@@ -481,7 +481,8 @@ def test_results_file_names_cpu_commit_command_and_every_method(run_dir):
     summary = summarize(run_dir)
     load = results.load_line((1.5, 1.0, 1.0), (2.0, 1.0, 1.0))
     text = results.render(summary, "make results", "goose bench --limit 1", "Some CPU", "2026-01-01 00:00 UTC", load)
-    assert "- CPU: Some CPU" in text and "before 1.5, after 2.0" in text and "`make results`" in text and "goose bench --limit 1" in text
+    assert "- CPU: Some CPU" in text and "before 1.5, after 2.0" in text
+    assert "`make results`" in text and "goose bench --limit 1" in text
     assert "2026-01-01 00:00 UTC" in text and f"`{summary['meta'].get('git_commit')}`" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| method")]
     assert [r.split(" | ")[0][2:] for r in rows] == summary["methods"]
@@ -523,7 +524,8 @@ def test_demo_runs_12_questions_with_goose_and_the_three_baselines(monkeypatch, 
     seen = {}
 
     def fake_run(args, questions, dataset, argv):
-        seen.update(methods=args.methods, questions=questions, dataset=dataset, tokens=args.max_new_tokens)
+        seen.update(methods=args.methods, questions=questions, dataset=dataset, tokens=args.max_new_tokens,
+                    chat=args.chat)
         return 3  # (not 0: no verdict to print)
 
     if not with_spec_bench:
@@ -534,3 +536,5 @@ def test_demo_runs_12_questions_with_goose_and_the_three_baselines(monkeypatch, 
     assert main(["demo"]) == 3
     assert seen["methods"] == ["goose", "hf-ar", "hf-pld"] and seen["tokens"] == 48  # ar is added by the runner
     assert len(seen["questions"]) == 12 and len({q.question_id for q in seen["questions"]}) == 12
+    assert seen["chat"] is True
+    assert main(["demo", "--raw"]) == 3 and seen["chat"] is False

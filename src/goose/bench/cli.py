@@ -257,4 +257,6 @@ def register(sub) -> None:
                                    "file), then one line on what the numbers mean.")
     d.add_argument("--limit", type=positive_int, default=2, help="prompts per category (default 2: 12 questions)")
     _common(d, 48, "runs/demo", DEMO_METHODS)
-    d.set_defaults(func=cmd_demo)
+    # an instruct model answers raw Spec-Bench prompts in a token or two: the demo applies the chat template
+    d.add_argument("--raw", dest="chat", action="store_false", help="raw prompts (default: the chat template)")
+    d.set_defaults(func=cmd_demo, chat=True)
