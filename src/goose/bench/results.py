@@ -75,7 +75,7 @@ def render(summary: dict, command: str, bench_command: str, cpu: str, date: str,
     lines = [
         "# Current results",
         "",
-        f"- CPU: {cpu} ({meta.get('threads')} torch threads)",
+        f"- CPU: {cpu} ({meta.get('threads')} torch thread{'' if meta.get('threads') == 1 else 's'})",
         f"- commit: `{meta.get('git_commit')}`",
         f"- date: {date}",
         f"- command: `{command}` (runs `{bench_command}`)",
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec is None:
             raise SystemExit("goose: error: Spec-Bench's question.jsonl not found in shared/data/spec_bench beside "
                              "the repository; pass --dataset spec-bench:PATH")
-        dataset = f"spec-bench:{spec}"
+        dataset = f"spec-bench:{os.path.relpath(spec)}"
     bench = ["bench", "--dataset", dataset, "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
              "--methods", args.methods, "--out", args.out]
     if not args.raw:
