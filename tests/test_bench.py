@@ -417,3 +417,124 @@ def test_cli_bench_concurrency(tiny, tmp_path, capsys):
     assert main(argv[:-2] + ["--rate", "50"]) == 0  # Poisson arrivals
     assert main(argv[:6] + ["hf-ar"] + argv[7:]) == 2
     assert "cannot run there" in capsys.readouterr().err
+
+
+def _linears(model) -> list:
+    """Every module that multiplies by a weight matrix: `nn.Linear` and whatever goose swaps in for one."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("Linear")]
+
+
+def test_hf_baselines_run_on_their_own_plain_transformers_copy(tiny, tmp_path, monkeypatch):
+    """`hf-ar` / `hf-pld` time Hugging Face's own modules and kernels: a copy of the model whose linear layers
+    are all plain `nn.Linear`, never the model goose's methods run on (packed or quantized by goose)."""
+    from goose.bench import engines, runner
+    from goose.cli import main
+
+    loaded, runners = [], []
+    real_load, real_runner = engines.load_baseline, runner.Runner
+
+    def spy_load(*a, **k):
+        loaded.append(real_load(*a, **k))
+        return loaded[-1]
+
+    def spy_runner(*a, **k):
+        runners.append(real_runner(*a, **k))
+        return runners[-1]
+
+    monkeypatch.setattr(engines, "load_baseline", spy_load)
+    monkeypatch.setattr(runner, "Runner", spy_runner)
+    mdir = saved(tiny, tmp_path)
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"id": "a", "category": "x", "turns": ["Write a short story about a robot"]}\n')
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(mdir), "--dataset", f"jsonl:{data}", "--methods", "goose,hf-ar,hf-pld",
+                 "--max-new-tokens", "6", "--out", str(out), "--no-progress"]) == 0
+    assert len(loaded) == 1 and len(runners) == 1
+    base = loaded[0][0]
+    layers = _linears(base)
+    assert layers and all(type(m) is torch.nn.Linear for m in layers)
+    engines_ = runners[0].engines
+    assert engines_["hf-ar"].model is base and engines_["hf-pld"].model is base
+    assert engines_["goose"].decoder.model is not base  # goose's methods keep their own (packed) model
+    assert json.loads((out / "run.json").read_text())["baseline_weights"] == "float32 (transformers)"
+
+
+def test_goose_methods_alone_load_no_baseline(tiny, tmp_path, monkeypatch):
+    from goose.bench import engines
+    from goose.cli import main
+
+    def refuse(*a, **k):
+        raise AssertionError("a baseline copy was loaded without an hf-* method")
+
+    monkeypatch.setattr(engines, "load_baseline", refuse)
+    mdir = saved(tiny, tmp_path)
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"id": "a", "category": "x", "turns": ["What is the capital of France ?"]}\n')
+    assert main(["bench", "--model", str(mdir), "--dataset", f"jsonl:{data}", "--methods", "pld",
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+
+
+def test_results_file_names_cpu_commit_command_and_every_method(run_dir):
+    from goose.bench import results
+    from goose.bench.summary import summarize
+
+    summary = summarize(run_dir)
+    load = results.load_line((1.5, 1.0, 1.0), (2.0, 1.0, 1.0))
+    text = results.render(summary, "make results", "goose bench --limit 1", "Some CPU", "2026-01-01 00:00 UTC", load)
+    assert "- CPU: Some CPU" in text and "before 1.5, after 2.0" in text
+    assert "`make results`" in text and "goose bench --limit 1" in text
+    assert "2026-01-01 00:00 UTC" in text and f"`{summary['meta'].get('git_commit')}`" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+    assert [r.split(" | ")[0][2:] for r in rows] == summary["methods"]
+    hf = next(r for r in rows if r.startswith("| hf-ar "))
+    assert " 1.00x " in hf  # hf-ar against itself
+    assert results.cpu_name()  # lscpu, /proc/cpuinfo or platform: never empty
+
+
+def test_results_are_quoted_between_the_readme_markers():
+    from goose.bench import results
+
+    readme = "# x\n\nintro\n<!-- results: file -->\nold table\nold line\n<!-- end results -->\n\nrest\n"
+    out = results.quote(readme, "# Current results\n\n- CPU: c\n\n| a |\n")
+    assert out == "# x\n\nintro\n<!-- results: file -->\n- CPU: c\n\n| a |\n<!-- end results -->\n\nrest\n"
+    assert results.quote(out, "# Current results\n\n- CPU: c\n\n| a |\n") == out  # idempotent
+    with pytest.raises(GooseError, match="results"):
+        results.quote("# no markers\n", "x")
+
+
+def test_demo_verdict_says_what_the_numbers_mean(run_dir):
+    from goose.bench.cli import demo_verdict
+    from goose.bench.summary import summarize
+
+    summary = summarize(run_dir)
+    line = demo_verdict(summary)
+    cell = summary["table"]["goose"]["all"]
+    assert line.startswith("demo: goose made ") and "\n" not in line
+    hf = summary["table"]["hf-ar"]["all"]["tokens_per_s"]
+    assert f"{cell['tokens_per_s'] / hf:.2f}x Hugging Face generate" in line
+    assert "hf-pld" in line and "(ar)" in line
+    assert f"{cell['lossless']} of {cell['checked']} answers token-identical to ar" in line
+
+
+@pytest.mark.parametrize("with_spec_bench", [True, False])
+def test_demo_runs_12_questions_with_goose_and_the_three_baselines(monkeypatch, with_spec_bench):
+    from goose.bench import cli as bench_cli
+    from goose.cli import main
+
+    seen = {}
+
+    def fake_run(args, questions, dataset, argv):
+        seen.update(methods=args.methods, questions=questions, dataset=dataset, tokens=args.max_new_tokens,
+                    chat=args.chat)
+        return 3  # (not 0: no verdict to print)
+
+    if not with_spec_bench:
+        monkeypatch.setattr(bench_cli, "spec_bench_file", lambda: None)
+    elif bench_cli.spec_bench_file() is None:
+        pytest.skip("Spec-Bench's question file is not beside the repository")
+    monkeypatch.setattr(bench_cli, "run_bench", fake_run)
+    assert main(["demo"]) == 3
+    assert seen["methods"] == ["goose", "hf-ar", "hf-pld"] and seen["tokens"] == 48  # ar is added by the runner
+    assert len(seen["questions"]) == 12 and len({q.question_id for q in seen["questions"]}) == 12
+    assert seen["chat"] is True
+    assert main(["demo", "--raw"]) == 3 and seen["chat"] is False

@@ -260,3 +260,69 @@ def test_multi_line_errors_are_printed_on_one_line(monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_datastore_info", boom)
     code, _, err = run(["datastore", "info"], capsys)
     assert code == 2 and err == "goose: error: first line second line\n"
+
+
+HEAVY = ("torch", "transformers", "matplotlib", "numpy")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--max-new-tokens", "x"], ["bench", "--methods", "nope"],
+                                  ["demo", "--limit", "0"], ["report", "/nonexistent-goose-dir"]])
+def test_help_and_argument_errors_import_no_torch(argv):
+    """`goose --help` and bad arguments answer before torch, transformers, matplotlib or numpy load."""
+    code = ("import sys\nfrom goose.cli import main\ntry:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    rc = e.code\nheavy = sorted({m.split('.')[0] for m in sys.modules} & set(%r))\n"
+            "print('HEAVY', ','.join(heavy))\nsys.exit(rc)\n" % (HEAVY,))
+    res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert res.returncode in (0, 2), res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "HEAVY", res.stdout[-300:]
+    if argv != ["--help"]:
+        assert res.returncode == 2 and res.stderr.startswith("goose: error:") and res.stderr.count("\n") == 1
+
+
+def test_import_goose_is_light_and_names_resolve():
+    code = ("import sys, goose\nassert not {m.split('.')[0] for m in sys.modules} & set(%r)\n"
+            "from goose import Decoder, Engine, load_model, METHODS, DEFAULT_MODEL, GooseError\n"
+            "import goose.decoding, goose.engine.scheduler\n"
+            "assert goose.Decoder is goose.decoding.Decoder and goose.Engine is goose.engine.scheduler.Engine\n"
+            "assert set(goose.__all__) <= set(dir(goose))\n"
+            "try:\n    goose.nothing_here\nexcept AttributeError:\n    print('ok')\n" % (HEAVY,))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-500:]
+
+
+def test_light_names_match_the_engine():
+    """The command line's copies of names (checked without importing the engine) equal the engine's."""
+    from goose import cliargs
+    from goose.engine.methods import METHODS
+    from goose.engine.prefix import DEFAULT_PREFIX_CACHE_MB
+
+    assert cliargs.METHODS == METHODS
+    from goose.cli import build_parser
+
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    assert f"default: the Engine's default, {DEFAULT_PREFIX_CACHE_MB})" in " ".join(bench.format_help().split())
+
+
+def test_registered_table_lists_what_each_module_registers():
+    """`goose --help` lists other modules' subcommands from `cli.REGISTERED` without importing them: the table
+    must name exactly what each module's `register` adds, with the same help."""
+    import argparse
+    import importlib
+
+    from goose import cli
+
+    for module, commands in cli.REGISTERED.items():
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module).register(sub)
+        helps = {a.dest: a.help for a in sub._choices_actions}
+        assert helps == commands
+
+
+def test_light_parser_builds_the_chosen_command_in_full(capsys):
+    from goose.cli import _modules_for
+
+    assert _modules_for(["bench", "--limit", "1"]) == {"goose.bench.cli"}
+    assert _modules_for(["serve"]) == {"goose.server.cli"} and _modules_for(["--help"]) == set()
+    assert _modules_for(["generate", "bench"]) == set()  # a prompt that happens to be a command's name
+    code, out, _ = run(["demo", "--help"], capsys)
+    assert code == 0 and "--limit" in out and "12 questions" in out

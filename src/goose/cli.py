@@ -1,19 +1,43 @@
 """Command line: `goose generate`, plus the subcommands other modules register (bench, report, ...).
 
 Bad input ends with a one-line ``goose: error: ...`` message and exit status 2, never a traceback.
+Start-up stays light: torch and transformers are imported by the command that runs, and a subcommand that
+another module registers is imported only when it is the one asked for (`goose --help` lists it by name).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
 
+from .cliargs import (
+    METHODS,
+    add_model_args,
+    add_sampling_args,
+    first_mismatch,  # noqa: F401  (re-exported)
+    method_name,
+    positive_int,
+    sampling_options,
+)
 from .errors import GooseError
-from .engine.methods import METHODS
-from .cliargs import add_model_args, add_sampling_args, first_mismatch, method_name, positive_int, sampling_options
-from .loading.model import DEFAULT_MODEL
+from .loading.packaged import DEFAULT_MODEL
+
+# subcommands registered by other modules: module -> {command: its one-line help, as `goose --help` lists it}
+# (tests/test_cli.py checks this against what each module's `register` adds)
+REGISTERED = {
+    "goose.bench.cli": {
+        "bench": "benchmark methods side by side (Spec-Bench-compatible answers, report, plots)",
+        "report": "re-render summary.json, report.md and plots of a bench directory",
+        "demo": "goose against ar, Hugging Face generate and its prompt lookup on 12 questions",
+    },
+    "goose.server.cli": {
+        "serve": "serve a model over an OpenAI-compatible HTTP API (with a web playground)",
+        "bench-serve": "load-test an OpenAI-compatible server (loopback only)",
+    },
+}
 
 
 def _read_prompt(args) -> str:
@@ -86,9 +110,9 @@ class _Parser(argparse.ArgumentParser):
 
 def cmd_profile(args) -> int:
     from .backends import cpukernel
-    from .selection.costmodel import load_or_measure
     from .decoding import default_forward
     from .loading.model import load_model
+    from .selection.costmodel import load_or_measure
 
     model, _ = load_model(args.model, args.dtype, args.device, weights=args.weights)
     fwd = default_forward(model)
@@ -143,7 +167,8 @@ def _print_info(info: dict) -> None:
     print(f"datastore {info.get('name')}  ({info.get('path')})")
     print(f"  sources   {', '.join(f'{k} ({v} docs)' for k, v in (info.get('sources') or {}).items())}")
     print(f"  documents {info.get('docs')}   tokens {info.get('tokens'):,}   size {size / 2**20:.1f} MiB")
-    print(f"  tokenizer of {info.get('model')}: {tok.get('name_or_path')} (vocab {tok.get('vocab_size')}, fingerprint {tok.get('fingerprint')})")
+    print(f"  tokenizer of {info.get('model')}: {tok.get('name_or_path')} (vocab {tok.get('vocab_size')}, "
+          f"fingerprint {tok.get('fingerprint')})")
     split = (f" (tokenizing {info['tokenize_s']} s, suffix array {info['index_s']} s)"
              if info.get("tokenize_s") is not None else "")
     print(f"  built     {info.get('created')} in {info.get('build_s')} s{split}"
@@ -157,7 +182,9 @@ def cmd_datastore_info(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(load: set[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line. `load`: the modules of `REGISTERED` whose subcommands are built in full (None:
+    all); the others' subcommands appear by name and help only."""
     parser = _Parser(prog="goose", description="Lossless speculative decoding with GOOSE spine trees.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate text for one prompt")
@@ -193,17 +220,24 @@ def build_parser() -> argparse.ArgumentParser:
     i = dsub.add_parser("info", help="size, token count, build time and tokenizer of a store")
     i.add_argument("--name", default="default", help="store name (default 'default')")
     i.set_defaults(func=cmd_datastore_info)
-    from .bench.cli import register as register_bench
-
-    register_bench(sub)  # bench, report, demo
-    from .server.cli import register as register_serve
-
-    register_serve(sub)  # serve, bench-serve
+    for module, commands in REGISTERED.items():
+        if load is None or module in load:
+            importlib.import_module(module).register(sub)
+        else:
+            for name, text in commands.items():
+                sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
+def _modules_for(argv: list[str]) -> set[str]:
+    """The `REGISTERED` module of the subcommand in `argv` (the first word that is not an option), if any."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return {m for m, commands in REGISTERED.items() if word in commands}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_modules_for(argv))
     args = parser.parse_args(argv)
     try:
         return args.func(args)

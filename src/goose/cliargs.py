@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 
 from .config import DecodeConfig
-from .engine.methods import METHODS
 from .errors import GooseError
-from .loading.model import DEFAULT_MODEL, PACKAGED
+from .loading.packaged import DEFAULT_MODEL, PACKAGED
+
+# goose.engine.methods.METHODS, named here so argument checks and help need not import the engine (torch);
+# tests/test_cli.py keeps the two equal
+METHODS = ("ar", "pld", "tr", "iso3", "iso5", "goose-paper", "goose", "lookahead", "rest")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -79,7 +82,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=positive_int, default=None, help="sample from the k most likely tokens only")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep probability mass top-p (0, 1]")
     p.add_argument("--seed", type=seed_int, default=0,
-                   help=f"sampling seed, 0..2^64-1 (default 0): same seed, same tokens")
+                   help="sampling seed, 0..2^64-1 (default 0): same seed, same tokens")
 
 
 def sampling_options(args) -> dict:

@@ -48,6 +48,7 @@ import torch
 
 from .. import cachefs
 from ..paths import cache_root
+from ..progress import note
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 BASE_FLAGS = ["-std=c++17", "-O3", "-fopenmp", "-shared", "-fPIC"]
@@ -584,6 +585,7 @@ def _build(cxx: str, flags: list[str], source: Path, path: Path) -> str | None:
             return None
         cachefs.clean_stale(path.parent)
         tmp = cachefs.temp_path(path)
+        note(f"compiling {source.name} for this CPU ({path.stem}; once per machine)")
         try:
             done = subprocess.run([cxx, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True,
                                   timeout=600)

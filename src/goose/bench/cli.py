@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
 from .. import cachefs
-from ..cliargs import add_model_args, add_sampling_args, positive_int, sampling_options
-from ..engine.prefix import DEFAULT_PREFIX_CACHE_MB
+from ..cliargs import add_model_args, add_sampling_args, non_negative_float, positive_int, sampling_options
 from ..errors import GooseError
-from ..loading.model import DEFAULT_MODEL
-from . import datasets, store
-from .engines import ALL_METHODS, method_settings
-from .plots import write_plots
-from .report import console_table, render
-from .runner import Runner, with_reference
-from .summary import summarize, write_summary
+from ..loading.packaged import DEFAULT_MODEL
+from . import datasets
+from .methods import ALL_METHODS, HF_METHODS
+
+# torch, transformers and matplotlib are imported by the commands that use them, not at start-up
 
 DEFAULT_METHODS = "ar,pld,tr,iso3,iso5,goose,hf-ar,hf-pld"
-DEMO_METHODS = "ar,pld,tr,goose,hf-ar"
-DEMO_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")
+DEMO_METHODS = "goose,hf-ar,hf-pld"  # and ar, always run
+DEMO_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")  # with HumanEval: 6 x --limit
 SPEC_BENCH_FILE = Path("data") / "spec_bench" / "question.jsonl"  # inside the `shared` folder beside the repo
 
 
@@ -43,11 +41,13 @@ def model_key(model: str) -> str:
 
 def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     """Shared by bench and demo: check the directory, load, run, then write summary, report and plots."""
-    from ..loading.model import load_model
-
     import torch
 
-    from ..loading.model import resolve_device
+    from ..backends.quant import weights_kind
+    from ..loading.model import load_model, resolve_device
+    from . import store
+    from .engines import load_baseline, method_settings
+    from .runner import Runner, with_reference
 
     out = Path(args.out)
     if args.threads is not None:
@@ -62,18 +62,15 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     methods = with_reference(args.methods)
     settings = method_settings(methods)  # a missing datastore fails here, before the model load
     t0 = time.perf_counter()
-    # Hugging Face's methods measure HF's own float32 modules and kernels: the weights are then not packed
-    # (goose's methods pack their own copy; the same panels and kernel, so the same speed)
-    from .engines import HF_METHODS
-
-    pack = not any(m in HF_METHODS for m in methods)
-    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None), pack=pack)
-    from ..backends.quant import weights_kind
-
+    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
+    # Hugging Face's methods run on their own copy: float32 in transformers' modules and kernels
+    baseline = load_baseline(args.model, args.dtype, args.device)[0] if any(m in HF_METHODS for m in methods) \
+        else None
     runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"],
-                    sampling=pinned["sampling"])
+                    sampling=pinned["sampling"], baseline=baseline)
     meta = {**store.environment(pinned["model"], model, args.dtype, args.device, argv), **pinned,
-            "weights": weights_kind(model), "dataset": dataset, "repeats": args.repeats,
+            "weights": weights_kind(model), "baseline_weights": None if baseline is None else "float32 (transformers)",
+            "dataset": dataset, "repeats": args.repeats,
             "method_settings": {**(old or {}).get("method_settings", {}), **settings},
             "methods": methods + [m for m in (old or {}).get("methods", []) if m not in methods]}
     store.open_run(out, meta)
@@ -95,6 +92,10 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
 
 def render_dir(out: Path) -> Path:
     """(Re)write summary.json, the plots and report.md from the files in `out`; print the main tables."""
+    from .plots import write_plots
+    from .report import console_table, render
+    from .summary import summarize, write_summary
+
     summary = summarize(out)
     write_summary(out, summary)
     plots = write_plots(summary, out)
@@ -136,8 +137,10 @@ def run_concurrency(args, questions: list) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     methods = list(dict.fromkeys(args.methods + ["ar"]))  # in the order given (ar last unless named)
-    if not args.prefix_cache_mb >= 0:
-        raise GooseError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    if args.prefix_cache_mb is None:
+        from ..engine.prefix import DEFAULT_PREFIX_CACHE_MB
+
+        args.prefix_cache_mb = DEFAULT_PREFIX_CACHE_MB
     model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
     path = run(model, tok, questions, methods, args.max_new_tokens, args.concurrency or 1, args.rate, args.chat,
                Path(args.out), sampling_options(args), prefix_cache_mb=args.prefix_cache_mb)
@@ -167,16 +170,40 @@ def spec_bench_file() -> Path | None:
 def cmd_demo(args) -> int:
     args.methods = parse_methods(args.methods)
     spec = spec_bench_file()
-    if spec is not None:
+    if spec is not None:  # HumanEval and five Spec-Bench categories, --limit each (default 2: 12 questions)
         dataset = f"humaneval,spec-bench:{spec}"
         qs = datasets.load("humaneval", None, args.limit) + datasets.load(f"spec-bench:{spec}", list(DEMO_CATEGORIES),
                                                                            args.limit)
-    else:
-        print("demo: Spec-Bench file not found beside the repo; using HumanEval and the built-in prompts",
+    else:  # the 7 built-in prompts and HumanEval's first ones, as many questions in all
+        print("demo: Spec-Bench file not found beside the repo; using the built-in prompts and HumanEval",
               file=sys.stderr)
-        dataset = "humaneval,builtin"
-        qs = datasets.load(dataset, None, args.limit)
-    return run_bench(args, qs, dataset, sys.argv[1:])
+        dataset = "builtin,humaneval"
+        builtin = datasets.load("builtin")
+        qs = builtin + datasets.load("humaneval", None, max(1, (1 + len(DEMO_CATEGORIES)) * args.limit - len(builtin)))
+    rc = run_bench(args, qs, dataset, sys.argv[1:])
+    if rc == 0:
+        print(demo_verdict(json.loads((Path(args.out) / "summary.json").read_text(encoding="utf-8"))))
+    return rc
+
+
+def demo_verdict(summary: dict) -> str:
+    """One line saying what the demo's numbers mean: goose's speed against each baseline, and the check."""
+    from .summary import ALL
+
+    table = summary["table"]
+    goose = next((m for m in ("goose", *summary["methods"]) if m in table and m != "ar"), "ar")
+    cell = table[goose][ALL]
+    speed = cell["tokens_per_s"]
+    parts = []
+    for m, what in (("hf-ar", "Hugging Face generate"), ("hf-pld", "Hugging Face prompt lookup"),
+                    ("ar", "goose's one-token loop")):
+        base = table.get(m, {}).get(ALL, {}).get("tokens_per_s")
+        if base and speed and m != goose:
+            parts.append(f"{speed / base:.2f}x {what} ({m})")
+    checked = cell.get("checked", cell["turns"])
+    same = f"{cell['lossless']} of {checked} answers token-identical to ar" if checked else "not checked against ar"
+    return (f"demo: {goose} made {speed:.1f} tokens/s on {summary['questions']} questions: {', '.join(parts)}; "
+            f"{same} (higher is faster; the same text, only sooner)")
 
 
 def _split(text: str | None) -> list[str] | None:
@@ -214,9 +241,9 @@ def register(sub) -> None:
                         "tokens/s, TTFT and TPOT percentiles, lossless column); writes OUT/concurrency.md")
     b.add_argument("--rate", type=float,
                    help="with --concurrency: Poisson arrivals of R requests per second (default: all at once)")
-    b.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
-                   help="with --concurrency: the engine's prefix cache (Engine(prefix_cache_mb=...); 0 = off; "
-                        f"default {DEFAULT_PREFIX_CACHE_MB})")
+    b.add_argument("--prefix-cache-mb", type=non_negative_float, default=None,
+                   help="with --concurrency: the engine's prefix cache in MiB (Engine(prefix_cache_mb=...); 0 = off; "
+                        "default: the Engine's default, 256)")
     _common(b, 256, "runs/bench", DEFAULT_METHODS)
     b.set_defaults(func=cmd_bench)
 
@@ -224,8 +251,12 @@ def register(sub) -> None:
     r.add_argument("dir", help="a `goose bench` --out directory")
     r.set_defaults(func=cmd_report)
 
-    d = sub.add_parser("demo", help=f"a short bench on {DEFAULT_MODEL}: HumanEval and Spec-Bench categories "
-                                    f"(built-in prompts without the Spec-Bench file)")
-    d.add_argument("--limit", type=int, default=2, help="prompts per category (default 2)")
+    d = sub.add_parser("demo", help="goose against ar, Hugging Face generate and its prompt lookup on 12 questions",
+                       description=f"A short bench on {DEFAULT_MODEL}: HumanEval and five Spec-Bench categories, "
+                                   "--limit prompts each (the built-in prompts and HumanEval without the Spec-Bench "
+                                   "file), then one line on what the numbers mean.")
+    d.add_argument("--limit", type=positive_int, default=2, help="prompts per category (default 2: 12 questions)")
     _common(d, 48, "runs/demo", DEMO_METHODS)
-    d.set_defaults(func=cmd_demo)
+    # an instruct model answers raw Spec-Bench prompts in a token or two: the demo applies the chat template
+    d.add_argument("--raw", dest="chat", action="store_false", help="raw prompts (default: the chat template)")
+    d.set_defaults(func=cmd_demo, chat=True)

@@ -108,7 +108,8 @@ def render(meta: dict, rows: list[dict]) -> str:
     ar = next((r["tokens_per_s"] for r in rows if r["method"] == "ar"), None)
     for r in rows:
         vs = f"{r['tokens_per_s'] / ar:.2f}x" if ar else "-"
-        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {vs} | {r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} | "
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {vs} | "
+                     f"{r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} | "
                      f"{r['tpot_p50_s'] * 1e3:.1f} / {r['tpot_p95_s'] * 1e3:.1f} | {r['tau']:.2f} | "
                      f"{r['mean_batch']:.2f} | {r.get('cached_tokens', 0)}/{r.get('prompt_tokens', '?')} | "
                      f"{r['identical']}/{r['requests']} |")

@@ -1,9 +1,11 @@
 """One generation engine per benchmarked method, all answering `generate(ids, max_new_tokens)`.
 
 goose methods run through one reused `goose.Decoder`; `hf-ar` and `hf-pld` are Hugging Face's own
-`model.generate(do_sample=False)` (plain and with `prompt_lookup_num_tokens=10`), what users run today.
-For those, a forward pre-hook (installed only during the call) counts target forwards and reads the
-cache length before each one, which gives tokens per forward and per-step accepted lengths as well.
+`model.generate(do_sample=False)` (plain and with `prompt_lookup_num_tokens=10`), what users run today:
+they run on their own copy of the model (`load_baseline`), float32 weights in transformers' own modules
+and kernels, never on goose's packed or quantized layers. For those, a forward pre-hook (installed only
+during the call) counts target forwards and reads the cache length before each one, which gives tokens per
+forward and per-step accepted lengths as well.
 """
 
 from __future__ import annotations
@@ -18,9 +20,15 @@ from ..decoding import Decoder
 from ..drafting import datastore
 from ..engine.methods import METHODS
 from ..errors import GooseError
+from .methods import ALL_METHODS, HF_METHODS
 
-HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}
-ALL_METHODS = METHODS + tuple(HF_METHODS)
+
+def load_baseline(model: str, dtype: str = "float32", device: str | None = "cpu"):
+    """The Hugging Face baselines' own copy of `model`: dequantized float32 weights (for a GGUF source) in
+    transformers' modules and kernels (`nn.Linear`), as a user loads it with `from_pretrained`."""
+    from ..loading.model import load_model
+
+    return load_model(model, dtype, device, weights="float32", pack=False)
 
 
 class GooseEngine:
@@ -117,10 +125,11 @@ def method_settings(methods: list[str]) -> dict:
     return out
 
 
-def make_engine(model, tokenizer, method: str, config=None, sampling: dict | None = None):
-    """sampling: DecodeConfig sampling fields (do_sample, temperature, top_k, top_p, seed); None: greedy."""
+def make_engine(model, tokenizer, method: str, config=None, sampling: dict | None = None, baseline=None):
+    """sampling: DecodeConfig sampling fields (do_sample, temperature, top_k, top_p, seed); None: greedy.
+    baseline: the model Hugging Face's methods run on (default `model`)."""
     if method in HF_METHODS:
-        return HFEngine(model, method, sampling)
+        return HFEngine(model if baseline is None else baseline, method, sampling)
     if method in METHODS:
         return GooseEngine(model, tokenizer, method, config, sampling)
     raise GooseError(f"unknown method '{method}'; choose from: {', '.join(ALL_METHODS)}")

@@ -44,7 +44,8 @@ def _decoding(meta: dict) -> str:
     s = meta.get("sampling")
     if not s:
         return "greedy"
-    parts = [f"temperature {s['temperature']}"] + [f"{k.replace('_', '-')} {s[k]}" for k in ("top_k", "top_p") if s.get(k)]
+    parts = [f"temperature {s['temperature']}"]
+    parts += [f"{k.replace('_', '-')} {s[k]}" for k in ("top_k", "top_p") if s.get(k)]
     return "sampling (" + ", ".join(parts) + f", seed {s.get('seed')} per request)"
 
 
@@ -107,7 +108,8 @@ def render(summary: dict, plots: list[Path]) -> str:
                  str(x.get("ar_token")), str(x.get("token")),
                  fmt(x.get("ar_logit"), "{:.4f}"), fmt(x.get("logit"), "{:.4f}"),
                  "context differs" if x.get("context_differs") else ""] for x in summary["mismatches"]]
-        out += _table(["method", "question", "turn", "position", "ar token", "token", "ar logit", "logit", "note"], rows)
+        header = ["method", "question", "turn", "position", "ar token", "token", "ar logit", "logit", "note"]
+        out += _table(header, rows)
     if plots:
         out += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(out) + "\n"

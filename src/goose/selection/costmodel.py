@@ -23,6 +23,7 @@ from .. import cachefs
 from ..backends.tree_tensors import ancestor_mask, tree_depths
 from ..drafting.tree import BRANCH, DraftTree
 from ..paths import cache_root
+from ..progress import note
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 REPEATS = 5  # timed passes over the grid (after one warm-up pass); the median of each size is kept
@@ -236,6 +237,7 @@ def load_or_measure(model, forward, remeasure: bool = False, path: Path | None =
             if curve is not None:
                 return curve
         cachefs.clean_stale(path.parent)
+        note(f"measuring this model's forward cost curve on this machine (once; cached in {path.parent})")
         for _ in range(MEASURE_TRIES):
             curve = measure(forward, vocab, sequences=sequences)
             if curve.spread <= MAX_SPREAD:
