@@ -1,0 +1,257 @@
+"""goose's integer-dot kernels (`goose.backends.int8`): every variant this CPU runs equals a NumPy reference
+with exact integer sums bit for bit (the same float32 operations in the same order), gives a row the same
+bits whatever rows, tiles and threads it is computed with, and a CPU without VNNI falls back."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from goose.backends import cpukernel, int8, quant
+from test_quant import bits, random_blocks, reference
+
+VARIANTS = int8.runnable_variants()
+needs_int8 = pytest.mark.skipif(not VARIANTS or int8.kernels() is None or quant.kernels() is None,
+                                reason=f"integer kernels: {int8.unavailable_reason()}")
+FMTS = list(quant.FORMATS)
+F32 = np.float32
+
+
+# ---- the NumPy reference ---------------------------------------------------------------------------------
+
+def _halves(raw: np.ndarray, off: int) -> np.ndarray:
+    return raw[..., off:off + 2].copy().view(np.float16)[..., 0].astype(F32)
+
+
+def _scale_min_k4(s: np.ndarray, j: int) -> tuple[np.ndarray, np.ndarray]:
+    s = s.astype(np.int64)
+    if j < 4:
+        return s[..., j] & 63, s[..., j + 4] & 63
+    return (s[..., j + 4] & 0xF) | ((s[..., j - 4] >> 6) << 4), (s[..., j + 4] >> 4) | ((s[..., j] >> 6) << 4)
+
+
+def decode(fmt: str, raw: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
+    """GGUF rows ``[n, bytes]`` -> (group G, integer weights ``[n, K]`` with the format's constant taken off,
+    scales ``[n, K / G]`` float32, offsets ``[n, K / G]`` float32 or None): w = s * q (+ o)."""
+    _, block, bbytes = quant.FORMATS[fmt]
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, bbytes)
+    if fmt == "Q8_0":
+        return 32, b[..., 2:].view(np.int8).astype(np.int64).reshape(n, -1), _halves(b, 0), None
+    if fmt in ("Q4_0", "Q4_1"):
+        qs = b[..., 2:18] if fmt == "Q4_0" else b[..., 4:20]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int64).reshape(n, -1)
+        if fmt == "Q4_0":
+            return 32, q - 8, _halves(b, 0), None
+        return 32, q, _halves(b, 0), _halves(b, 2)
+    if fmt == "Q4_K":
+        d, dmin = _halves(b, 0), _halves(b, 2)
+        qs = b[..., 16:144].reshape(n, -1, 4, 32)
+        q = np.stack([qs[:, :, j // 2] & 15 if j % 2 == 0 else qs[:, :, j // 2] >> 4 for j in range(8)], 2)
+        sc = np.stack([_scale_min_k4(b[..., 4:16], j)[0] for j in range(8)], -1).astype(F32)
+        mn = np.stack([_scale_min_k4(b[..., 4:16], j)[1] for j in range(8)], -1).astype(F32)
+        s, o = d[..., None] * sc, -(dmin[..., None] * mn)
+        return 32, q.astype(np.int64).reshape(n, -1), s.reshape(n, -1), o.reshape(n, -1)
+    # Q6_K
+    ql, qh = b[..., :128].astype(np.int64), b[..., 128:192].astype(np.int64)
+    i = np.arange(256)
+    half, l, quarter = i // 128, i % 32, (i % 128) // 32
+    lb = ql[..., 64 * half + 32 * (quarter & 1) + l]
+    low = np.where(quarter < 2, lb & 15, lb >> 4)
+    high = (qh[..., 32 * half + l] >> (2 * quarter)) & 3
+    q = (low | (high << 4)) - 32
+    s = _halves(b, 208)[..., None] * b[..., 192:208].view(np.int8).astype(F32)
+    return 16, q.reshape(n, -1), s.reshape(n, -1), None
+
+
+def quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of x in blocks of 32: (q int64 [M, K], d float32 [M, K / 32]), as the module doc states."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    d = np.abs(xb).max(-1) / F32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, F32(1) / d, F32(0)).astype(F32)
+    q = np.rint(xb * inv[..., None]).astype(np.int64)
+    return q.reshape(m, k), d
+
+
+def linear_ref(fmt: str, raw: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
+               y0: np.ndarray | None = None) -> np.ndarray:
+    """The kernel's arithmetic in NumPy: exact integer dot products per group, float32 chain over groups."""
+    g, qw, s, o = decode(fmt, raw)
+    qx, d = quantize_ref(x)
+    m, k = x.shape
+    acc = np.zeros((m, raw.shape[0]), dtype=F32)
+    for j in range(k // g):
+        cols = slice(j * g, (j + 1) * g)
+        i = qx[:, cols] @ qw[:, cols].T  # exact (int64)
+        dx = d[:, j * g // 32]
+        acc = acc + i.astype(F32) * (s[None, :, j] * dx[:, None])
+        if o is not None:
+            ds = dx * qx[:, j * 32:(j + 1) * 32].sum(1).astype(F32)
+            acc = acc + o[None, :, j] * ds[:, None]
+    if bias is not None:
+        acc = acc + bias[None, :raw.shape[0]]
+    return acc if y0 is None else y0 + acc
+
+
+@functools.lru_cache(maxsize=None)
+def weight(fmt: str, n: int, k: int, seed: int = 0):
+    raw = random_blocks(fmt, n, k, np.random.default_rng(seed))
+    return raw, quant.kernels().pack(fmt, list(raw), k)
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, :32] *= 30  # blocks of different scales
+    if m > 1:
+        x[1, 32:64] = 0  # an all-zero block (d = 0)
+    return x
+
+
+# ---- tests -----------------------------------------------------------------------------------------------
+
+def test_decode_reference_is_ggufs_dequantization():
+    for fmt in FMTS:
+        raw = random_blocks(fmt, 5, 512, np.random.default_rng(3))
+        g, q, s, o = decode(fmt, raw)
+        w = (np.repeat(s, g, 1) * q.astype(F32)).astype(F32)
+        if o is not None:  # the kernel never forms w; this only checks that q, s, o are read right
+            w = np.repeat(s, g, 1) * q.astype(F32) + np.repeat(o, g, 1)
+        assert np.allclose(w, reference(fmt, raw).numpy(), rtol=0, atol=1e-6), fmt
+
+
+@needs_int8
+def test_variants_in_order_and_fall_back_without_vnni(monkeypatch):
+    assert VARIANTS[-1] == "avx2" and VARIANTS == [v for v in int8.ORDER if v in VARIANTS]
+    for v in VARIANTS:
+        k = int8.kernels(v)
+        assert k is not None and k.variant == v and k.isa == int8.ISA[v]
+    flags = cpukernel._cpu_flags()
+    monkeypatch.setattr(cpukernel, "_cpu_flags", lambda: flags - {"avx512_vnni", "avx_vnni"})
+    assert int8.runnable_variants() == ["avx2"] and int8.kernels().variant == "avx2"
+    monkeypatch.setattr(cpukernel, "_cpu_flags", lambda: flags - {"avx512vbmi"})  # VNNI-512 without VBMI
+    assert int8.runnable_variants()[0] == ("avxvnni" if "avx_vnni" in flags else "avx2")
+    monkeypatch.setattr(cpukernel, "_cpu_flags", lambda: flags - {"f16c"})
+    assert int8.runnable_variants() == [] and int8.kernels() is None and "AVX2" in int8.unavailable_reason()
+    assert "cannot run" in int8._load("vnni512")[1]  # (uncached)
+
+
+@needs_int8
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_variant_forced_by_environment(monkeypatch, variant):
+    monkeypatch.setenv(int8.ENV_VARIANT, variant)
+    assert int8.runnable_variants()[0] == variant and int8.kernels().variant == variant
+    monkeypatch.delenv(int8.ENV_VARIANT)
+    monkeypatch.setenv(cpukernel.ENV_VARIANT, "avx2")
+    assert int8.kernels().variant == "avx2"
+
+
+@needs_int8
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_activation_quantization_matches_numpy(variant):
+    x = _x(7, 256, 1)
+    x[2, 5] = 0.5 * x[2].abs().max() / 127 * 3  # a value at an exact half step rounds to even
+    q, d = int8.kernels(variant).quantize(x)
+    qr, dr = quantize_ref(x.numpy())
+    assert torch.equal(q.to(torch.int64), torch.from_numpy(qr))
+    assert torch.equal(bits(d), bits(torch.from_numpy(dr)))
+    assert int(q.abs().max()) == 127 and bool((d[1, 1] == 0).item())
+
+
+@needs_int8
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_linear_equals_numpy_reference_bit_for_bit(variant, fmt):
+    kern = int8.kernels(variant)
+    for n, k, m in ((37, 512, 1), (48, 256, 9), (16, 768, 3)):
+        raw, w = weight(fmt, n, k)
+        x = _x(m, k, n + m)
+        y = kern.linear(x, w)
+        assert torch.equal(bits(y), bits(torch.from_numpy(linear_ref(fmt, raw, x.numpy()))))
+        bias = torch.randn(-(-n // 16) * 16)
+        y0 = torch.randn(m, n)
+        y1 = kern.linear(x, w, bias, out=y0.clone())
+        ref = linear_ref(fmt, raw, x.numpy(), bias.numpy(), y0.numpy())
+        assert torch.equal(bits(y1), bits(torch.from_numpy(ref)))
+    # close to the float32 product (8-bit activations: a relative error of a few parts per thousand)
+    exact = x @ torch.from_numpy(quant.kernels().rows(w, torch.arange(n)).numpy()).T
+    assert (y - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@needs_int8
+def test_fused_norm_equals_reference_on_the_normed_input():
+    fmt = "Q4_1"
+    raw, w = weight(fmt, 40, 256)
+    x, nw, eps = _x(5, 256, 2), torch.rand(256) + 0.5, 1e-5
+    xs = x.numpy().astype(np.float64)
+    normed = np.empty_like(x.numpy())
+    for r in range(len(xs)):  # the kernel's RMSNorm: a sequential float64 sum of squares, float32 after
+        ss = 0.0
+        for v in xs[r]:
+            ss += v * v
+        scale = F32(1) / np.sqrt(F32(ss / 256) + F32(eps))
+        normed[r] = nw.numpy() * (x.numpy()[r] * scale)
+    for v in VARIANTS:
+        y = int8.kernels(v).linear(x, w, norm=(nw, eps))
+        assert torch.equal(bits(y), bits(torch.from_numpy(linear_ref(fmt, raw, normed))))
+
+
+@needs_int8
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fmt=st.sampled_from(FMTS), m=st.integers(1, 65), row=st.integers(0, 64), threads=st.sampled_from([1, 2]),
+       fused=st.sampled_from(["plain", "norm", "gated", "bias+out"]), seed=st.integers(0, 2**16))
+def test_a_row_alone_equals_the_row_among_others(fmt, m, row, threads, fused, seed):
+    row %= m
+    k = 256
+    raw, w = weight(fmt, 40, k)
+    x = _x(m, 2 * k if fused == "gated" else k, seed)
+    kw: dict = {}
+    if fused == "norm":
+        kw["norm"] = (torch.rand(k) + 0.5, 1e-6)
+    elif fused == "gated":
+        kw["gated"] = True
+    bias = torch.randn(48) if fused == "bias+out" else None
+    y0 = torch.randn(m, 40)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        outs = []
+        for v in VARIANTS:
+            kern = int8.kernels(v)
+            if bias is not None:
+                many = kern.linear(x, w, bias, out=y0.clone(), **kw)
+                alone = kern.linear(x[row:row + 1], w, bias, out=y0[row:row + 1].clone(), **kw)
+            else:
+                many, alone = kern.linear(x, w, **kw), kern.linear(x[row:row + 1], w, **kw)
+            assert torch.equal(bits(many[row:row + 1]), bits(alone)), v
+            outs.append(many)
+    finally:
+        torch.set_num_threads(old)
+    for o in outs[1:]:  # every variant gives the same bits
+        assert torch.equal(bits(o), bits(outs[0]))
+
+
+@needs_int8
+def test_bad_input_is_refused_before_the_kernel():
+    kern = int8.kernels()
+    _, w = weight("Q8_0", 16, 64)
+    with pytest.raises(ValueError):
+        kern.linear(torch.randn(2, 63), w)
+    with pytest.raises(ValueError):
+        kern.linear(torch.randn(2, 64, dtype=torch.float64), w)
+    with pytest.raises(ValueError):
+        kern.linear(torch.randn(2, 64), w, torch.randn(8))  # bias not padded
+    with pytest.raises(ValueError):
+        kern.linear(torch.randn(2, 64), w, out=torch.empty(2, 15))
+    with pytest.raises(TypeError):
+        kern.linear(torch.randn(2, 64), torch.randn(16, 64))
+    with pytest.raises(ValueError):
+        kern.quantize(torch.randn(2, 40))
+    assert kern.linear(torch.randn(0, 64), w).shape == (0, 16)
