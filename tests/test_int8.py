@@ -13,6 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from goose.backends import cpukernel, int8, quant
+from goose.backends.lean import LeanForward
+from goose.errors import GooseError
 from test_quant import bits, random_blocks, reference
 
 VARIANTS = int8.runnable_variants()
@@ -173,11 +175,11 @@ def test_linear_equals_numpy_reference_bit_for_bit(variant, fmt):
     for n, k, m in ((37, 512, 1), (48, 256, 9), (16, 768, 3)):
         raw, w = weight(fmt, n, k)
         x = _x(m, k, n + m)
-        y = kern.linear(x, w)
+        y = kern.linear(x, w, n)
         assert torch.equal(bits(y), bits(torch.from_numpy(linear_ref(fmt, raw, x.numpy()))))
         bias = torch.randn(-(-n // 16) * 16)
         y0 = torch.randn(m, n)
-        y1 = kern.linear(x, w, bias, out=y0.clone())
+        y1 = kern.linear(x, w, n, bias, out=y0.clone())
         ref = linear_ref(fmt, raw, x.numpy(), bias.numpy(), y0.numpy())
         assert torch.equal(bits(y1), bits(torch.from_numpy(ref)))
     # close to the float32 product (8-bit activations: a relative error of a few parts per thousand)
@@ -199,7 +201,7 @@ def test_fused_norm_equals_reference_on_the_normed_input():
         scale = F32(1) / np.sqrt(F32(ss / 256) + F32(eps))
         normed[r] = nw.numpy() * (x.numpy()[r] * scale)
     for v in VARIANTS:
-        y = int8.kernels(v).linear(x, w, norm=(nw, eps))
+        y = int8.kernels(v).linear(x, w, 40, norm=(nw, eps))
         assert torch.equal(bits(y), bits(torch.from_numpy(linear_ref(fmt, raw, normed))))
 
 
@@ -226,10 +228,10 @@ def test_a_row_alone_equals_the_row_among_others(fmt, m, row, threads, fused, se
         for v in VARIANTS:
             kern = int8.kernels(v)
             if bias is not None:
-                many = kern.linear(x, w, bias, out=y0.clone(), **kw)
-                alone = kern.linear(x[row:row + 1], w, bias, out=y0[row:row + 1].clone(), **kw)
+                many = kern.linear(x, w, 40, bias, out=y0.clone(), **kw)
+                alone = kern.linear(x[row:row + 1], w, 40, bias, out=y0[row:row + 1].clone(), **kw)
             else:
-                many, alone = kern.linear(x, w, **kw), kern.linear(x[row:row + 1], w, **kw)
+                many, alone = kern.linear(x, w, 40, **kw), kern.linear(x[row:row + 1], w, 40, **kw)
             assert torch.equal(bits(many[row:row + 1]), bits(alone)), v
             outs.append(many)
     finally:
@@ -243,15 +245,82 @@ def test_bad_input_is_refused_before_the_kernel():
     kern = int8.kernels()
     _, w = weight("Q8_0", 16, 64)
     with pytest.raises(ValueError):
-        kern.linear(torch.randn(2, 63), w)
+        kern.linear(torch.randn(2, 63), w, 16)
     with pytest.raises(ValueError):
-        kern.linear(torch.randn(2, 64, dtype=torch.float64), w)
+        kern.linear(torch.randn(2, 64, dtype=torch.float64), w, 16)
     with pytest.raises(ValueError):
-        kern.linear(torch.randn(2, 64), w, torch.randn(8))  # bias not padded
+        kern.linear(torch.randn(2, 64), w, 16, torch.randn(8))  # bias not padded
     with pytest.raises(ValueError):
-        kern.linear(torch.randn(2, 64), w, out=torch.empty(2, 15))
+        kern.linear(torch.randn(2, 64), w, 16, out=torch.empty(2, 15))
+    with pytest.raises(ValueError):
+        kern.linear(torch.randn(2, 64), w, 15)
     with pytest.raises(TypeError):
-        kern.linear(torch.randn(2, 64), torch.randn(16, 64))
+        kern.linear(torch.randn(2, 64), torch.randn(16, 64), 16)
     with pytest.raises(ValueError):
         kern.quantize(torch.randn(2, 40))
-    assert kern.linear(torch.randn(0, 64), w).shape == (0, 16)
+    assert kern.linear(torch.randn(0, 64), w, 16).shape == (0, 16)
+
+
+# ---- the integer arithmetic in LeanForward ---------------------------------------------------------------
+
+_QMODELS: dict = {}
+
+
+def _qmodel(fmt: str):
+    """A tiny Llama with random `fmt` blocks (the embedding and tied head too), and its float32 twin."""
+    if fmt not in _QMODELS:
+        from test_lean import tiny_llama
+        from test_quant import _quantize_tiny
+
+        model = tiny_llama(torch.float32, seed=1, scale=1.0)
+        _QMODELS[fmt] = (_quantize_tiny(model, fmt), model)
+    return _QMODELS[fmt]
+
+
+@needs_int8
+@pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_lean_forward_int8_runs_the_integer_kernels_in_its_plan(fmt):
+    from test_lean import call_script, play, play_segments
+
+    qmodel, model = _qmodel(fmt)
+    exact, fi = LeanForward(qmodel), LeanForward(qmodel, arith="int8")
+    assert fi.arith == "int8" and "+int8-" in fi.backend and "+int8-" not in exact.backend
+    assert fi.plan is not None and all(op.fn == fi.layers[0].qkv.op().fn for e in fi.plan._keep for op in e[2:])
+    script = call_script(4, steps=8, prompt_len=20)
+    a, b = play(fi, script), play(exact, script)
+    for x, y in zip(a, b):  # another arithmetic: close to the exact logits, not equal
+        assert (x - y).abs().max() <= 0.1 * y.abs().max()  # (a random tiny model, 3 layers)
+    assert any(not torch.equal(x, y) for x, y in zip(a, b))
+    stepped = LeanForward(qmodel, arith="int8")  # the plan gives the per-layer calls' bits
+    stepped.plan = None
+    for x, y in zip(play_segments(fi, 5), play_segments(stepped, 5), strict=True):
+        assert torch.equal(bits(x), bits(y))
+    with pytest.raises(GooseError, match="GGUF blocks"):
+        LeanForward(model, arith="int8")  # float32 weights are never quantized behind the user's back
+    with pytest.raises(GooseError, match="unknown arith"):
+        LeanForward(qmodel, arith="int4")
+
+
+@needs_int8
+@pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(3, 127), min_size=1, max_size=30), reps=st.integers(1, 4),
+       n_new=st.integers(1, 32), fmt=st.sampled_from(["Q4_1", "Q8_0"]))
+def test_every_method_equals_ar_in_int8(prompt, reps, n_new, fmt):
+    from conftest import method_for
+
+    from goose.config import DecodeConfig
+    from goose.decoding import Decoder
+    from goose.engine.methods import METHODS
+    from goose.selection.costmodel import CostCurve
+
+    qmodel, _ = _qmodel(fmt)
+    prompt = (prompt * reps)[:60]  # repeated text makes the lookup methods draft long
+    fwd = LeanForward(qmodel, arith="int8")
+    cost = CostCurve((1, 2, 4, 8, 16, 32), (10, 10.5, 11, 12, 14, 20))  # cheap rows: big trees
+    ref, _ = Decoder(qmodel, None, "ar", forward=fwd).generate_ids(prompt, DecodeConfig(n_new))
+    for method in METHODS:
+        out, _ = Decoder(qmodel, None, method_for(method, qmodel), forward=fwd, cost=cost).generate_ids(
+            prompt, DecodeConfig(n_new))
+        assert out == ref, method

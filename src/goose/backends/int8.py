@@ -15,7 +15,9 @@ What is guaranteed (tests check each point):
   path (`goose.backends.quant`, bit-identical to the float32 model) by about the quantization error. Plain
   greedy decoding *in this arithmetic* is the reference for losslessness.
 
-Variants, chosen from the CPU flags (``/proc/cpuinfo``), in this fallback order: ``vnni512`` (AVX-512
+Variants, chosen from the CPU flags (``/proc/cpuinfo``), in this fallback order: ``amx`` (AMX-INT8 tiles:
+a group's 32 (Q6_K: 16) products for 16 rows x 16 columns in one tile instruction, for calls of 4 rows or
+more; fewer rows as ``vnni512``; Linux must grant the tile state), ``vnni512`` (AVX-512
 F/BW/VL + AVX512-VNNI + AVX512-VBMI: 16 columns per register, up to 8 rows per tile), ``avxvnni``
 (AVX2 + AVX-VNNI, ``vpdpbusd`` on 8 lanes), ``avx2`` (AVX2 ``vpmaddubsw``; FMA and F16C for the rest).
 ``GOOSE_INT8_VARIANT=<name>`` drops the ones above <name> (for comparisons and tests), and
@@ -46,13 +48,17 @@ BASE_FLAGS = [*cpukernel.BASE_FLAGS, "-ffp-contract=off", "-fno-math-errno"]
 _F16 = ["-mavx2", "-mfma", "-mf16c"]
 # name -> (compiler flags, CPU flags it needs); ORDER: the fallback order
 VARIANTS = {
+    "amx": ([*_F16, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mamx-tile",
+             "-mamx-int8"],
+            {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "amx_tile",
+             "amx_int8"}),
     "vnni512": ([*_F16, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi"],
                 {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}),
     "avxvnni": ([*_F16, "-mavxvnni"], {"avx2", "fma", "f16c", "avx_vnni"}),
     "avx2": (_F16, {"avx2", "fma", "f16c"}),
 }
-ORDER = ("vnni512", "avxvnni", "avx2")
-ISA = {"vnni512": 512, "avxvnni": 257, "avx2": 256}  # goose_int8_isa() of each variant
+ORDER = ("amx", "vnni512", "avxvnni", "avx2")
+ISA = {"amx": 1024, "vnni512": 512, "avxvnni": 257, "avx2": 256}  # goose_int8_isa() of each variant
 ENV_VARIANT = "GOOSE_INT8_VARIANT"
 
 _state: dict[str, tuple] = {}
@@ -118,6 +124,8 @@ def _load(variant: str) -> tuple:
         return None, f"building or loading {SOURCE.name} ({variant}) failed: {exc}"
     if lib.goose_int8_abi() != ABI:
         return None, f"{path} is not this version of the kernel"
+    if not lib.goose_int8_ready():
+        return None, f"the {variant} variant cannot run here: Linux refused the AMX tile state (arch_prctl)"
     return Int8Kernels(lib, path, variant), None
 
 
@@ -168,12 +176,11 @@ class Int8Kernels:
         if weight.data.numel() != want or not weight.data.is_contiguous() or weight.k % BLOCK:
             raise ValueError("the packed weight has the wrong size")
 
-    def linear(self, x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None, *,
+    def linear(self, x: torch.Tensor, weight: QuantWeight, n: int, bias: torch.Tensor | None = None, *,
                norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """``in(x) [M, K]`` times the ``[N, K]`` weight, plus bias: ``[M, N]`` float32, the call shape of
+        """``in(x) [M, K]`` times the ``[n, K]`` weight, plus bias: ``[M, n]`` float32, the call of
         `QuantKernels.linear` (`norm`, `gated`, `out` as there; `bias` padded to whole 16-column panels)."""
-        n = weight.n if isinstance(weight, QuantWeight) else -1
         self._check_weight(weight, n)
         k_in = weight.k
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -185,7 +192,8 @@ class Int8Kernels:
         if norm is not None and (gated or tuple(norm[0].shape) != (k_in,) or norm[0].dtype != torch.float32):
             raise ValueError("norm needs an ungated input and a float32 [K] weight")
         padded = -(-n // PANEL) * PANEL
-        if bias is not None and (bias.dtype != torch.float32 or bias.numel() < padded or not bias.is_contiguous()):
+        if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.numel() < padded
+                                 or not bias.is_contiguous()):
             raise ValueError(f"bias must be a contiguous float32 tensor of at least {padded} values (padded)")
         if out is None:
             y = torch.empty(m, n, dtype=torch.float32)

@@ -32,6 +32,11 @@
 
 #include <vector>
 
+#if defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 constexpr int kCols = 16;  // output columns per panel
@@ -56,6 +61,7 @@ constexpr bool has_offset(int f) { return f == kQ4_1 || f == kQ4_K; }
 #if defined(__AVX512F__)
 #define GOOSE_VNNI 1
 constexpr int kTile = 8;
+constexpr int kAmxRows = 4;  // calls of at least this many rows use AMX tiles (AMX builds)
 struct I {
   __m512i v;
 };
@@ -165,7 +171,14 @@ inline I qabs(I x) { return {_mm256_abs_epi8(x.a), _mm256_abs_epi8(x.b)}; }
 inline I qsign(I x, I w) { return {_mm256_sign_epi8(x.a, w.a), _mm256_sign_epi8(x.b, w.b)}; }
 #endif
 
-// Q8_0 on VNNI multiplies unsigned activations: q + 128 (stored so), the excess 128 * sum(w) taken off after.
+#if defined(__AMX_INT8__)
+#define GOOSE_AMX 1
+#else
+#define GOOSE_AMX 0
+#endif
+
+// Q8_0 on VNNI and AMX multiplies unsigned activations: q + 128 (stored so), the excess 128 * sum(w) taken
+// off after.
 constexpr bool kOffsetQ8 = GOOSE_VNNI;
 
 // The activations of M rows, quantized for format F: q in the order the kernel reads (nibble formats:
@@ -197,7 +210,7 @@ void quantize(const float* x, int64_t M, int64_t K, Act& a) {
   const int64_t blocks = K / kBlock, groups = K / G;
   a.ldq = K;
   a.ldg = groups;
-  a.q.resize(M * K);
+  a.q.assign((M + 15) / 16 * 16 * K, 0);  // (whole tiles of 16 rows for AMX)
   a.d.resize(M * groups);
   a.ic.resize(M * groups);
   if (has_offset(F)) a.ds.resize(M * groups);
@@ -352,11 +365,102 @@ inline void rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, f
   }
 }
 
+#if GOOSE_AMX
+// ---- AMX-INT8: the integer dot products of up to 16 rows x 16 columns of a group in one tile op ----
+struct TileConfig {
+  uint8_t palette, start;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// One panel, all M rows: per group, the weights' quants transposed into B (G / 4 rows of 16 columns x 4
+// bytes), then per 16 rows C = A B (A: the rows' activation bytes), then each row's float chain as above.
+template <int F>
+void panel_amx(const Act& a, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy, int cols,
+               const float* bias, bool accumulate, float* accs) {
+  constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  cfg.rows[0] = 16, cfg.colsb[0] = 64;     // C: 16 rows x 16 int32
+  cfg.rows[1] = 16, cfg.colsb[1] = G;      // A: 16 rows x G activation bytes
+  cfg.rows[2] = G / 4, cfg.colsb[2] = 64;  // B: G / 4 rows x 16 columns x 4 bytes
+  _tile_loadconfig(&cfg);
+  alignas(64) uint8_t bt[G / 4 * 64];
+  alignas(64) int32_t ct[16 * 16];
+  const int64_t groups = K / G;
+  for (int64_t m = 0; m < M; ++m) _mm512_storeu_ps(accs + 16 * m, _mm512_setzero_ps());
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* h = w + g * GB;
+    for (int off = 0; off < GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 2 * GB + off), _MM_HINT_T0);
+    const uint8_t* q = h + HB;
+    I sw = izero();  // Q8_0: the column sums of the quants
+    if constexpr (nibbles(F)) {
+      for (int t = 0; t < 4; ++t) {
+        const I v = wload(q + 64 * t);
+        _mm512_store_si512(bt + 128 * t, lo4(v).v);
+        _mm512_store_si512(bt + 128 * t + 64, hi4(v).v);
+      }
+    } else {
+      for (int t = 0; t < G / 4; ++t) {
+        const I v = wload(q + 64 * t);
+        if constexpr (F == kQ8_0) sw = dot(sw, iset(0x01010101), v);
+        _mm512_store_si512(bt + 64 * t, v.v);
+      }
+    }
+    _tile_loadd(2, bt, 64);
+    const I excess = ishl7(sw);
+    V s, o;
+    header<F>(h, s, o);
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      _tile_loadd(1, a.q.data() + m0 * a.ldq + g * G, a.ldq);
+      _tile_zero(0);
+      if constexpr (F == kQ8_0)
+        _tile_dpbusd(0, 1, 2);
+      else
+        _tile_dpbsud(0, 1, 2);
+      _tile_stored(0, ct, 64);
+      const int64_t rows = M - m0 < 16 ? M - m0 : 16;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t m = m0 + r;
+        __m512i ia = _mm512_load_si512(ct + 16 * r);
+        if constexpr (F == kQ4_0 || F == kQ6_K) ia = _mm512_add_epi32(ia, _mm512_set1_epi32(a.ic[m * a.ldg + g]));
+        if constexpr (F == kQ8_0) ia = _mm512_sub_epi32(ia, excess.v);
+        V acc = vload(accs + 16 * m);
+        acc = vadd(acc, vmul(vcvt(I{ia}), vmul(s, vset(a.d[m * a.ldg + g]))));
+        if constexpr (has_offset(F)) acc = vadd(acc, vmul(o, vset(a.ds[m * a.ldg + g])));
+        vstore(accs + 16 * m, acc);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) store(y + m * ldy, vload(accs + 16 * m), cols, bias, accumulate);
+}
+#endif
+
 template <int F>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
             bool acc) {
   Act a;
   quantize<F>(x, M, K, a);
+#if GOOSE_AMX
+  if (M >= kAmxRows) {
+    const int64_t panels = (N + kCols - 1) / kCols;
+    const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
+#pragma omp parallel
+    {
+      std::vector<float> accs(M * kCols);
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < panels; ++p) {
+        const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
+        panel_amx<F>(a, M, K, packed + p * pbytes, y + p * kCols, N, cols, bias ? bias + p * kCols : nullptr, acc,
+                     accs.data());
+      }
+      _tile_release();
+    }
+    return;
+  }
+#endif
   const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
   const int64_t tiles = (M + kTile - 1) / kTile;  // rows spread evenly over the fewest tiles
@@ -395,9 +499,22 @@ extern "C" {
 
 int goose_int8_abi(void) { return 1; }
 
-// 512: AVX512-VNNI; 257: AVX-VNNI; 256: AVX2
+// 1 when this library's variant can run here: the AMX variant asks Linux for the tile data state first
+// (arch_prctl ARCH_REQ_XCOMP_PERM, once per process); 0 when refused.
+int goose_int8_ready(void) {
+#if GOOSE_AMX
+  static const int ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+#else
+  return 1;
+#endif
+}
+
+// 1024: AMX-INT8 (+ AVX512-VNNI); 512: AVX512-VNNI; 257: AVX-VNNI; 256: AVX2
 int goose_int8_isa(void) {
-#if defined(__AVX512F__)
+#if GOOSE_AMX
+  return 1024;
+#elif defined(__AVX512F__)
   return 512;
 #elif GOOSE_VNNI
   return 257;
