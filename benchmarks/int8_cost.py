@@ -4,6 +4,7 @@ int32 dot products), interleaved in one process on SmolLM2-135M's shapes (random
 file's formats: Q4_1 projections, the Q8_0 tied embedding as the output head).
 
     python benchmarks/int8_cost.py [--rows 1,2,4,8,16,32] [--repeats 9] [--threads 2] [--variants all]
+                                   [--clock cpu --threads 1]
 
 Prints per shape and M the median microseconds per call of each path, the cost ratio to M = 1 of each, and
 for one whole layer set (30 x (qkv, o, gate_up, down) + head) the projected milliseconds of a forward's
@@ -38,11 +39,14 @@ def blocks(fmt: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
+CLOCK = time.perf_counter
+
+
 def timed(fn, reps: int) -> float:
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     for _ in range(reps):
         fn()
-    return (time.perf_counter() - t0) / reps * 1e6
+    return (CLOCK() - t0) / reps * 1e6
 
 
 def main() -> None:
@@ -54,7 +58,15 @@ def main() -> None:
     ap.add_argument("--variants", default="best", help="'best' or 'all' integer variants")
     ap.add_argument("--stat", default="min", choices=["min", "median"],
                     help="per-call time over the rounds: min (robust on a shared machine) or median")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall: elapsed time; cpu: the calling thread's CPU time (with --threads 1 the kernel runs "
+                         "on that thread only, so time spent descheduled on a shared machine is not counted)")
     args = ap.parse_args()
+    global CLOCK
+    if args.clock == "cpu":
+        if args.threads != 1:
+            ap.error("--clock cpu needs --threads 1")
+        CLOCK = time.thread_time
     stat = min if args.stat == "min" else statistics.median
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -63,7 +75,7 @@ def main() -> None:
     iks = {v: int8.kernels(v) for v in variants}
     rng = np.random.default_rng(0)
     paths = {"float": None, **{f"int8-{v}": k for v, k in iks.items()}}
-    print(f"threads {args.threads}; float path: quant {qk.variant}; integer variants: {', '.join(variants)}")
+    print(f"threads {args.threads}, {args.clock} clock; float path: quant {qk.variant}; integer variants: {', '.join(variants)}")
     total = {p: {m: 0.0 for m in rows} for p in paths}
     for name, n, k, fmt, per_forward in SHAPES:
         raw = blocks(fmt, n, k, rng)

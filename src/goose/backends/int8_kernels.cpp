@@ -191,7 +191,7 @@ struct Act {
   int64_t ldq = 0, ldg = 0;
 };
 
-// One block: q, and its scale d returned.
+// One block: q (natural order), and its scale d returned.
 float quantize_block(const float* x, int8_t* q) {
   float amax = 0.0f;
   for (int t = 0; t < kBlock; ++t) {
@@ -204,44 +204,79 @@ float quantize_block(const float* x, int8_t* q) {
   return d;
 }
 
+// The same block, vectorized (the same operations: max of |x| is exact in any order; x * id and the
+// conversion, rounding half to even, are per lane): 32 bytes to `out` in the kernel's order (`nibble`:
+// each 8 values as the 4 even then the 4 odd ones; `offset`: q + 128), the sums of both halves in s[2].
+inline __m128i bytes16(const float* x, float id);
+inline float absmax32(const float* x);
+float quantize_block_fast(const float* x, uint8_t* out, bool nibble, bool offset, int32_t* s) {
+  const float amax = absmax32(x);
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  for (int h = 0; h < 2; ++h) {
+    __m128i b = bytes16(x + 16 * h, id);
+    // sum of 16 signed bytes: sad of (b ^ 0x80) against zero, minus 16 * 128
+    const __m128i sad = _mm_sad_epu8(_mm_xor_si128(b, _mm_set1_epi8(-128)), _mm_setzero_si128());
+    s[h] = _mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4) - 16 * 128;
+    if (nibble) b = _mm_shuffle_epi8(b, order);
+    if (offset) b = _mm_xor_si128(b, _mm_set1_epi8(-128));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), b);
+  }
+  return d;
+}
+
+#if defined(__AVX512F__)
+inline float absmax32(const float* x) {
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x)), _mm512_abs_ps(_mm512_loadu_ps(x + 16))));
+}
+inline __m128i bytes16(const float* x, float id) {
+  return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(id))));
+}
+#else
+inline float absmax32(const float* x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+  for (int t = 8; t < kBlock; t += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + t)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+inline __m128i bytes16(const float* x, float id) {
+  const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_set1_ps(id)));
+  const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), _mm256_set1_ps(id)));
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // 16 int16 in order
+  return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+}
+#endif
+
 template <int F>
 void quantize(const float* x, int64_t M, int64_t K, Act& a) {
   constexpr int G = kInfo[F].group;
-  const int64_t blocks = K / kBlock, groups = K / G;
+  const int64_t blocks = K / kBlock, groups = K / G, padded = (M + 15) / 16 * 16;
   a.ldq = K;
   a.ldg = groups;
-  a.q.assign((M + 15) / 16 * 16 * K, 0);  // (whole tiles of 16 rows for AMX)
+  a.q.resize(padded * K);  // (whole tiles of 16 rows for AMX; the rows past M are zero)
+  if (padded > M) memset(a.q.data() + M * K, 0, (padded - M) * K);
   a.d.resize(M * groups);
   a.ic.resize(M * groups);
   if (has_offset(F)) a.ds.resize(M * groups);
-#pragma omp parallel for schedule(static) if (M * K >= 16384)
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
-      int8_t q[kBlock];
-      const float d = quantize_block(x + m * K + b * kBlock, q);
-      int32_t s0 = 0, s1 = 0;
-      for (int t = 0; t < 16; ++t) s0 += q[t];
-      for (int t = 16; t < 32; ++t) s1 += q[t];
-      uint8_t* out = a.q.data() + m * K + b * kBlock;
-      if constexpr (nibbles(F)) {
-        for (int c = 0; c < 4; ++c)
-          for (int t = 0; t < 4; ++t) {
-            out[8 * c + t] = static_cast<uint8_t>(q[8 * c + 2 * t]);
-            out[8 * c + 4 + t] = static_cast<uint8_t>(q[8 * c + 2 * t + 1]);
-          }
-      } else {
-        for (int t = 0; t < kBlock; ++t)
-          out[t] = static_cast<uint8_t>(F == kQ8_0 && kOffsetQ8 ? q[t] + 128 : q[t]);
-      }
+      int32_t s[2];
+      const float d = quantize_block_fast(x + m * K + b * kBlock, a.q.data() + m * K + b * kBlock, nibbles(F),
+                                          F == kQ8_0 && kOffsetQ8, s);
       if constexpr (F == kQ6_K) {
         a.d[m * groups + 2 * b] = d;
         a.d[m * groups + 2 * b + 1] = d;
-        a.ic[m * groups + 2 * b] = -32 * s0;
-        a.ic[m * groups + 2 * b + 1] = -32 * s1;
+        a.ic[m * groups + 2 * b] = -32 * s[0];
+        a.ic[m * groups + 2 * b + 1] = -32 * s[1];
       } else {
         a.d[m * groups + b] = d;
-        a.ic[m * groups + b] = F == kQ4_0 ? -8 * (s0 + s1) : 0;
-        if constexpr (has_offset(F)) a.ds[m * groups + b] = d * static_cast<float>(s0 + s1);
+        a.ic[m * groups + b] = F == kQ4_0 ? -8 * (s[0] + s[1]) : 0;
+        if constexpr (has_offset(F)) a.ds[m * groups + b] = d * static_cast<float>(s[0] + s[1]);
       }
     }
   }
@@ -374,63 +409,101 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// One panel, all M rows: per group, the weights' quants transposed into B (G / 4 rows of 16 columns x 4
-// bytes), then per 16 rows C = A B (A: the rows' activation bytes), then each row's float chain as above.
+// One panel, all M rows: per pair of groups, the weights' quants transposed into B (G / 4 rows of 16
+// columns x 4 bytes), then per 16 rows C = A B (A: the rows' activation bytes) for both groups, then each
+// row's float chain as above, the groups in order. (Two groups in flight: the tile operations of one
+// overlap the other's.) The tile configuration is loaded by the caller.
+template <int F>
+inline void amx_weights(const uint8_t* q, uint8_t* bt, I& excess) {
+  constexpr int G = kInfo[F].group;
+  I sw = izero();  // Q8_0: the column sums of the quants
+  if constexpr (nibbles(F)) {
+    for (int t = 0; t < 4; ++t) {
+      const I v = wload(q + 64 * t);
+      _mm512_store_si512(bt + 128 * t, lo4(v).v);
+      _mm512_store_si512(bt + 128 * t + 64, hi4(v).v);
+    }
+  } else {
+    for (int t = 0; t < G / 4; ++t) {
+      const I v = wload(q + 64 * t);
+      if constexpr (F == kQ8_0) sw = dot(sw, iset(0x01010101), v);
+      _mm512_store_si512(bt + 64 * t, v.v);
+    }
+  }
+  excess = ishl7(sw);
+}
+
+template <int F>
+inline void amx_rows(const Act& a, int64_t m0, int64_t rows, int64_t g, const int32_t* ct, V s, V o, I excess,
+                     float* accs) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    __m512i ia = _mm512_load_si512(ct + 16 * r);
+    if constexpr (F == kQ4_0 || F == kQ6_K) ia = _mm512_add_epi32(ia, _mm512_set1_epi32(a.ic[m * a.ldg + g]));
+    if constexpr (F == kQ8_0) ia = _mm512_sub_epi32(ia, excess.v);
+    V acc = vload(accs + 16 * m);
+    acc = vadd(acc, vmul(vcvt(I{ia}), vmul(s, vset(a.d[m * a.ldg + g]))));
+    if constexpr (has_offset(F)) acc = vadd(acc, vmul(o, vset(a.ds[m * a.ldg + g])));
+    vstore(accs + 16 * m, acc);
+  }
+}
+
+template <int F>
+void amx_config() {
+  constexpr int G = kInfo[F].group;
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 2; ++t) {
+    cfg.rows[t] = 16, cfg.colsb[t] = 64;          // C: 16 rows x 16 int32
+    cfg.rows[2 + t] = 16, cfg.colsb[2 + t] = G;   // A: 16 rows x G activation bytes
+    cfg.rows[4 + t] = G / 4, cfg.colsb[4 + t] = 64;  // B: G / 4 rows x 16 columns x 4 bytes
+  }
+  _tile_loadconfig(&cfg);
+}
+
 template <int F>
 void panel_amx(const Act& a, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy, int cols,
                const float* bias, bool accumulate, float* accs) {
   constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
-  TileConfig cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  cfg.rows[0] = 16, cfg.colsb[0] = 64;     // C: 16 rows x 16 int32
-  cfg.rows[1] = 16, cfg.colsb[1] = G;      // A: 16 rows x G activation bytes
-  cfg.rows[2] = G / 4, cfg.colsb[2] = 64;  // B: G / 4 rows x 16 columns x 4 bytes
-  _tile_loadconfig(&cfg);
-  alignas(64) uint8_t bt[G / 4 * 64];
-  alignas(64) int32_t ct[16 * 16];
+  alignas(64) uint8_t bt[2][G / 4 * 64];
+  alignas(64) int32_t ct[2][16 * 16];
   const int64_t groups = K / G;
   for (int64_t m = 0; m < M; ++m) _mm512_storeu_ps(accs + 16 * m, _mm512_setzero_ps());
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool two = g + 1 < groups;
     const uint8_t* h = w + g * GB;
-    for (int off = 0; off < GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 2 * GB + off), _MM_HINT_T0);
-    const uint8_t* q = h + HB;
-    I sw = izero();  // Q8_0: the column sums of the quants
-    if constexpr (nibbles(F)) {
-      for (int t = 0; t < 4; ++t) {
-        const I v = wload(q + 64 * t);
-        _mm512_store_si512(bt + 128 * t, lo4(v).v);
-        _mm512_store_si512(bt + 128 * t + 64, hi4(v).v);
-      }
-    } else {
-      for (int t = 0; t < G / 4; ++t) {
-        const I v = wload(q + 64 * t);
-        if constexpr (F == kQ8_0) sw = dot(sw, iset(0x01010101), v);
-        _mm512_store_si512(bt + 64 * t, v.v);
-      }
+    for (int off = 0; off < 2 * GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 4 * GB + off), _MM_HINT_T0);
+    I ex0, ex1 = izero();
+    V s0, o0, s1, o1;
+    amx_weights<F>(h + HB, bt[0], ex0);
+    header<F>(h, s0, o0);
+    _tile_loadd(4, bt[0], 64);
+    if (two) {
+      amx_weights<F>(h + GB + HB, bt[1], ex1);
+      header<F>(h + GB, s1, o1);
+      _tile_loadd(5, bt[1], 64);
     }
-    _tile_loadd(2, bt, 64);
-    const I excess = ishl7(sw);
-    V s, o;
-    header<F>(h, s, o);
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
-      _tile_loadd(1, a.q.data() + m0 * a.ldq + g * G, a.ldq);
+      const uint8_t* xa = a.q.data() + m0 * a.ldq + g * G;
+      _tile_loadd(2, xa, a.ldq);
       _tile_zero(0);
-      if constexpr (F == kQ8_0)
-        _tile_dpbusd(0, 1, 2);
-      else
-        _tile_dpbsud(0, 1, 2);
-      _tile_stored(0, ct, 64);
+      if constexpr (F == kQ8_0) _tile_dpbusd(0, 2, 4); else _tile_dpbsud(0, 2, 4);
+      if (two) {
+        _tile_loadd(3, xa + G, a.ldq);
+        _tile_zero(1);
+        if constexpr (F == kQ8_0) _tile_dpbusd(1, 3, 5); else _tile_dpbsud(1, 3, 5);
+      }
+      _tile_stored(0, ct[0], 64);
+      if (two) _tile_stored(1, ct[1], 64);
       const int64_t rows = M - m0 < 16 ? M - m0 : 16;
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t m = m0 + r;
-        __m512i ia = _mm512_load_si512(ct + 16 * r);
-        if constexpr (F == kQ4_0 || F == kQ6_K) ia = _mm512_add_epi32(ia, _mm512_set1_epi32(a.ic[m * a.ldg + g]));
-        if constexpr (F == kQ8_0) ia = _mm512_sub_epi32(ia, excess.v);
-        V acc = vload(accs + 16 * m);
-        acc = vadd(acc, vmul(vcvt(I{ia}), vmul(s, vset(a.d[m * a.ldg + g]))));
-        if constexpr (has_offset(F)) acc = vadd(acc, vmul(o, vset(a.ds[m * a.ldg + g])));
-        vstore(accs + 16 * m, acc);
+      if (two) {  // per row: group g, then g + 1
+        for (int64_t r = 0; r < rows; ++r) {
+          amx_rows<F>(a, m0 + r, 1, g, ct[0] + 16 * r, s0, o0, ex0, accs);
+          amx_rows<F>(a, m0 + r, 1, g + 1, ct[1] + 16 * r, s1, o1, ex1, accs);
+        }
+      } else {
+        amx_rows<F>(a, m0, rows, g, ct[0], s0, o0, ex0, accs);
       }
     }
   }
@@ -450,6 +523,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
 #pragma omp parallel
     {
       std::vector<float> accs(M * kCols);
+      amx_config<F>();
 #pragma omp for schedule(static)
       for (int64_t p = 0; p < panels; ++p) {
         const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
