@@ -71,6 +71,47 @@ def decode(fmt: str, raw: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.n
     return 16, q.reshape(n, -1), s.reshape(n, -1), None
 
 
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a * b + c with one rounding (IEEE fma), exactly: a * b is exact in float64, the float64 sum's
+    error e is recovered exactly (TwoSum), and a sum that lies exactly halfway between two float32 values
+    goes to the side of e, so the double rounding never differs from one rounding."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    s = p + c64
+    bb = s - p
+    e = (p - (s - bb)) + (c64 - bb)
+    r = s.astype(F32)
+    r64 = r.astype(np.float64)
+    up = np.where(r64 >= s, r, np.nextafter(r, F32(np.inf)))
+    lo = np.where(r64 <= s, r, np.nextafter(r, F32(-np.inf)))
+    half = (up.astype(np.float64) - s) == (s - lo.astype(np.float64))
+    return np.where(half & (e > 0), up, np.where(half & (e < 0), lo, r)).astype(F32)
+
+
+def test_fma32_is_one_rounding():
+    """The reference's fma against rational arithmetic, including sums whose float64 rounding lands exactly
+    halfway between two float32 values (where rounding twice would go the wrong way)."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(5)
+    a, b, c = (rng.standard_normal(300).astype(F32) for _ in range(3))
+    u = F32(2.0 ** -23)
+    cases = [(F32(1) + u, F32(2.0 ** -24) - F32(2.0 ** -47), F32(1) + u),  # 1+u + (2^-24 - 2^-70): halfway - tiny
+             (F32(1) + u, F32(2.0 ** -24) + F32(2.0 ** -47), F32(1)),  # 1 + 2^-24 + 2^-46 + 2^-70
+             (F32(1), F32(2.0 ** -24), F32(1)), (F32(1), F32(2.0 ** -24), F32(1) + u)]  # exact ties: to even
+    cases += list(zip(a, b, c))
+    for x, y, z in cases:
+        got = fma32(np.array([x]), np.array([y]), np.array([z]))[0]
+        exact = Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))
+        near = [np.float32(float(exact))]  # candidates: the float32 values around the exact sum
+        near += [np.nextafter(near[0], F32(np.inf)), np.nextafter(near[0], F32(-np.inf))]
+        dist = [abs(Fraction(float(v)) - exact) for v in near]
+        best = min(dist)
+        ties = [v for v, dd in zip(near, dist) if dd == best]
+        want = ties[0] if len(ties) == 1 else next(v for v in ties if not (v.view(np.int32) & 1))
+        assert got.view(np.int32) == want.view(np.int32), (x, y, z)
+
+
 def quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows of x in blocks of 32: (q int64 [M, K], d float32 [M, K / 32]), as the module doc states."""
     m, k = x.shape
@@ -84,7 +125,7 @@ def quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def linear_ref(fmt: str, raw: np.ndarray, x: np.ndarray, bias: np.ndarray | None = None,
                y0: np.ndarray | None = None) -> np.ndarray:
-    """The kernel's arithmetic in NumPy: exact integer dot products per group, float32 chain over groups."""
+    """The kernel's arithmetic in NumPy: exact integer dot products per group, float32 fma chain over groups."""
     g, qw, s, o = decode(fmt, raw)
     qx, d = quantize_ref(x)
     m, k = x.shape
@@ -93,10 +134,11 @@ def linear_ref(fmt: str, raw: np.ndarray, x: np.ndarray, bias: np.ndarray | None
         cols = slice(j * g, (j + 1) * g)
         i = qx[:, cols] @ qw[:, cols].T  # exact (int64)
         dx = d[:, j * g // 32]
-        acc = acc + i.astype(F32) * (s[None, :, j] * dx[:, None])
+        t = s[None, :, j] * dx[:, None]
+        acc = fma32(i.astype(F32), t, acc)
         if o is not None:
             ds = dx * qx[:, j * 32:(j + 1) * 32].sum(1).astype(F32)
-            acc = acc + o[None, :, j] * ds[:, None]
+            acc = fma32(np.broadcast_to(o[None, :, j], acc.shape), np.broadcast_to(ds[:, None], acc.shape), acc)
     if bias is not None:
         acc = acc + bias[None, :raw.shape[0]]
     return acc if y0 is None else y0 + acc

@@ -15,10 +15,11 @@
 //   Q6_K: s = d*sc (float32), w = s * (q - 32), groups of 16
 // One output y[m, n] is a float32 chain over the groups g of the row, in order, from acc = 0:
 //   i   = sum_k q_w[k] * q_x[k]  - c * S   (exact int32; c = 8 for Q4_0, 32 for Q6_K (S16), else 0)
-//   acc = acc + float(i) * (s * d)                          (d: the row's scale of the block holding g)
-//   acc = acc + o * (d * float(S))                          (Q4_1 and Q4_K only)
-// then acc + bias (if any), then y + acc (accumulate). Multiplies and adds are never fused (the file is
-// compiled with -ffp-contract=off), so a NumPy float32 reference gives the same bits. Nothing depends on M,
+//   acc = fma(float(i), s * d, acc)                         (d: the row's scale of the block holding g)
+//   acc = fma(o, d * float(S), acc)                         (Q4_1 and Q4_K only)
+// (fma: one rounding), then acc + bias (if any), then y + acc (accumulate). No other multiply and add is
+// fused (the file is compiled with -ffp-contract=off), so a NumPy reference that emulates fma exactly gives
+// the same bits. Nothing depends on M,
 // on the row tile, on the thread count or on the variant: integer sums are exact in any order and the
 // float chain is per output.
 //
@@ -93,6 +94,7 @@ inline V vcvt(I a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline V vset(float a) { return {_mm512_set1_ps(a)}; }
 inline V vzero() { return {_mm512_setzero_ps()}; }
 inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
@@ -153,6 +155,7 @@ inline V vcvt(I x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; 
 inline V vset(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline V vmul(V x, V y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+inline V vfma(V x, V y, V z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
 inline V vadd(V x, V y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
 inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline void vstore(float* p, V x) {
@@ -375,8 +378,8 @@ void tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64
     header<F>(h, s, o);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      acc[r] = vadd(acc[r], vmul(vcvt(ia[r]), vmul(s, vset(xd[r * a.ldg + g]))));
-      if constexpr (has_offset(F)) acc[r] = vadd(acc[r], vmul(o, vset(xs[r * a.ldg + g])));
+      acc[r] = vfma(vcvt(ia[r]), vmul(s, vset(xd[r * a.ldg + g])), acc[r]);
+      if constexpr (has_offset(F)) acc[r] = vfma(o, vset(xs[r * a.ldg + g]), acc[r]);
     }
   }
 #pragma GCC unroll 16
@@ -442,8 +445,8 @@ inline void amx_rows(const Act& a, int64_t m0, int64_t rows, int64_t g, const in
     if constexpr (F == kQ4_0 || F == kQ6_K) ia = _mm512_add_epi32(ia, _mm512_set1_epi32(a.ic[m * a.ldg + g]));
     if constexpr (F == kQ8_0) ia = _mm512_sub_epi32(ia, excess.v);
     V acc = vload(accs + 16 * m);
-    acc = vadd(acc, vmul(vcvt(I{ia}), vmul(s, vset(a.d[m * a.ldg + g]))));
-    if constexpr (has_offset(F)) acc = vadd(acc, vmul(o, vset(a.ds[m * a.ldg + g])));
+    acc = vfma(vcvt(I{ia}), vmul(s, vset(a.d[m * a.ldg + g])), acc);
+    if constexpr (has_offset(F)) acc = vfma(o, vset(a.ds[m * a.ldg + g]), acc);
     vstore(accs + 16 * m, acc);
   }
 }
