@@ -366,3 +366,27 @@ def test_every_method_equals_ar_in_int8(prompt, reps, n_new, fmt):
         out, _ = Decoder(qmodel, None, method_for(method, qmodel), forward=fwd, cost=cost).generate_ids(
             prompt, DecodeConfig(n_new))
         assert out == ref, method
+
+
+@pytest.mark.slow
+@needs_int8
+@pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
+def test_packaged_smollm2_int8_every_method_equals_ar_in_int8():
+    """The packaged SmolLM2 GGUF in int8: goose, goose-paper and pld give exactly the tokens of ar in int8."""
+    from goose.decoding import Decoder
+    from goose.loading.model import load_model
+    from test_quant import REAL_PROMPTS
+
+    q, tok = load_model("smollm2-135m", weights="gguf")
+    fwd = LeanForward(q, arith="int8")
+    assert "+int8-" in fwd.backend and fwd.plan is not None
+    from goose.selection.costmodel import CostCurve
+
+    cost = CostCurve((1, 2, 4, 8, 16, 32), (10, 11, 12, 14, 18, 30))  # given: no curve measured here
+    ref = Decoder(q, tok, "ar", forward=fwd)
+    others = [Decoder(q, tok, m, forward=fwd, cost=cost) for m in ("goose", "goose-paper", "pld")]
+    for text in REAL_PROMPTS[2:4] + REAL_PROMPTS[9:10]:
+        ids = ref.encode(text, chat=True)
+        want = ref.generate(ids, 40).token_ids
+        for dec in others:
+            assert dec.generate(ids, 40).token_ids == want, (text[:30], dec)

@@ -194,25 +194,12 @@ struct Act {
   int64_t ldq = 0, ldg = 0;
 };
 
-// One block: q (natural order), and its scale d returned.
-float quantize_block(const float* x, int8_t* q) {
-  float amax = 0.0f;
-  for (int t = 0; t < kBlock; ++t) {
-    const float a = fabsf(x[t]);
-    amax = a > amax ? a : amax;
-  }
-  const float d = amax / 127.0f;
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
-  for (int t = 0; t < kBlock; ++t) q[t] = static_cast<int8_t>(lrintf(x[t] * id));
-  return d;
-}
-
-// The same block, vectorized (the same operations: max of |x| is exact in any order; x * id and the
-// conversion, rounding half to even, are per lane): 32 bytes to `out` in the kernel's order (`nibble`:
+// One block of 32 activations (max of |x| is exact in any order; x * id and the conversion, rounding half to
+// even, are per lane): its scale d returned, its 32 bytes to `out` in the kernel's order (`nibble`:
 // each 8 values as the 4 even then the 4 odd ones; `offset`: q + 128), the sums of both halves in s[2].
 inline __m128i bytes16(const float* x, float id);
 inline float absmax32(const float* x);
-float quantize_block_fast(const float* x, uint8_t* out, bool nibble, bool offset, int32_t* s) {
+float quantize_block(const float* x, uint8_t* out, bool nibble, bool offset, int32_t* s) {
   const float amax = absmax32(x);
   const float d = amax / 127.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -269,7 +256,7 @@ void quantize(const float* x, int64_t M, int64_t K, Act& a) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t s[2];
-      const float d = quantize_block_fast(x + m * K + b * kBlock, a.q.data() + m * K + b * kBlock, nibbles(F),
+      const float d = quantize_block(x + m * K + b * kBlock, a.q.data() + m * K + b * kBlock, nibbles(F),
                                           F == kQ8_0 && kOffsetQ8, s);
       if constexpr (F == kQ6_K) {
         a.d[m * groups + 2 * b] = d;
@@ -604,7 +591,9 @@ int goose_int8_isa(void) {
 void goose_int8_quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / kBlock; ++b) {
-      d[m * (K / kBlock) + b] = quantize_block(x + m * K + b * kBlock, q + m * K + b * kBlock);
+      int32_t s[2];
+      d[m * (K / kBlock) + b] = quantize_block(x + m * K + b * kBlock,
+                                                    reinterpret_cast<uint8_t*>(q + m * K + b * kBlock), false, false, s);
     }
 }
 
