@@ -75,7 +75,8 @@ def main() -> None:
     iks = {v: int8.kernels(v) for v in variants}
     rng = np.random.default_rng(0)
     paths = {"float": None, **{f"int8-{v}": k for v, k in iks.items()}}
-    print(f"threads {args.threads}, {args.clock} clock; float path: quant {qk.variant}; integer variants: {', '.join(variants)}")
+    print(f"threads {args.threads}, {args.clock} clock; float path: quant {qk.variant}; "
+          f"integer variants: {', '.join(variants)}")
     total = {p: {m: 0.0 for m in rows} for p in paths}
     for name, n, k, fmt, per_forward in SHAPES:
         raw = blocks(fmt, n, k, rng)
@@ -87,7 +88,8 @@ def main() -> None:
         for _ in range(args.repeats):
             for m in rows:
                 for p, ik in paths.items():
-                    fn = (lambda x=xs[m]: qk.linear(x, w, n)) if ik is None else (lambda x=xs[m], ik=ik: ik.linear(x, w, n))
+                    kern = qk if ik is None else ik
+                    fn = lambda x=xs[m], kern=kern: kern.linear(x, w, n)  # noqa: E731
                     fn()
                     res[p][m].append(timed(fn, inner[m]))
         print(f"\n{name} ({fmt}): {args.stat} us per call (cost / cost at M={rows[0]})")

@@ -78,7 +78,8 @@ def main() -> None:
             for n in sizes:
                 for k, fwd in forwards.items():
                     times[(k, n)].append(time_call(fwd, toks[n], trees[n]))
-    print(f"model {args.model}, cache {args.cache_len}, {args.threads} threads, {args.clock} clock, {args.repeats} rounds; "
+    print(f"model {args.model}, cache {args.cache_len}, {args.threads} threads, {args.clock} clock, "
+          f"{args.repeats} rounds; "
           + ", ".join(f"{k}={f.backend}" for k, f in forwards.items()))
     print(f"{'N':>4} " + " ".join(f"{k + ' ms min/med':>22} {'c(N)/c(1)':>9}" for k in forwards) + "  exact/int8")
     for n in sizes:

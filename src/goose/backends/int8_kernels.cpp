@@ -141,7 +141,9 @@ inline I hi4(I x) {
   return {_mm256_and_si256(_mm256_srli_epi16(x.a, 4), m), _mm256_and_si256(_mm256_srli_epi16(x.b, 4), m)};
 }
 #if GOOSE_VNNI
-inline I dot(I acc, I u, I s) { return {_mm256_dpbusd_avx_epi32(acc.a, u.a, s.a), _mm256_dpbusd_avx_epi32(acc.b, u.b, s.b)}; }
+inline I dot(I acc, I u, I s) {
+  return {_mm256_dpbusd_avx_epi32(acc.a, u.a, s.a), _mm256_dpbusd_avx_epi32(acc.b, u.b, s.b)};
+}
 #else
 // u <= 63 here (quants of at most 6 bits), or |w| <= 128 of Q8_0 against |x| <= 127:: the pairwise int16 sums
 // of maddubs cannot saturate
@@ -463,7 +465,8 @@ void panel_amx(const Act& a, int64_t M, int64_t K, const uint8_t* w, float* y, i
   for (int64_t g = 0; g < groups; g += 2) {
     const bool two = g + 1 < groups;
     const uint8_t* h = w + g * GB;
-    for (int off = 0; off < 2 * GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 4 * GB + off), _MM_HINT_T0);
+    for (int off = 0; off < 2 * GB; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(h + 4 * GB + off), _MM_HINT_T0);
     I ex0, ex1 = izero();
     V s0, o0, s1, o1;
     amx_weights<F>(h + HB, bt[0], ex0);
@@ -592,8 +595,8 @@ void goose_int8_quantize(const float* x, int64_t M, int64_t K, int8_t* q, float*
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / kBlock; ++b) {
       int32_t s[2];
-      d[m * (K / kBlock) + b] = quantize_block(x + m * K + b * kBlock,
-                                                    reinterpret_cast<uint8_t*>(q + m * K + b * kBlock), false, false, s);
+      uint8_t* out = reinterpret_cast<uint8_t*>(q + m * K + b * kBlock);
+      d[m * (K / kBlock) + b] = quantize_block(x + m * K + b * kBlock, out, false, false, s);
     }
 }
 
