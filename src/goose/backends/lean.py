@@ -55,12 +55,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GooseError
-from . import cpukernel
+from . import cpukernel, int8
 from .cpukernel import CpuKernels
 from .forward import active_sliding_window, weights_fingerprint
 from .packed import PackedEmbedding, PackedLinear, PackedWeight, PanelWeight
 from .packed import cat as _cat_packed
 from .quant import QuantWeight
+
+ARITHS = ("exact", "int8")  # LeanForward's arithmetics (see its `arith`)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 INITIAL_CAPACITY = 512  # cache slots per layer before the first doubling
@@ -247,13 +249,18 @@ class LeanForward:
     """Fast forward for llama / mistral / qwen2 / qwen3 models with a static in-place KV cache (see module doc)."""
 
     def __init__(self, model, *, kernel: bool | None = None, attention_kernel: bool = True,
-                 prepack: bool | None = None, gemv: bool | None = None) -> None:
+                 prepack: bool | None = None, gemv: bool | None = None, arith: str = "exact") -> None:
         """`kernel`: None = goose's own AVX2 kernels when they are available here (float32 on an x86-64
         CPU, see `cpukernel`); True = require them; False = PyTorch's kernels, as follows.
         `attention_kernel`: with goose's kernels, also run attention on goose's kernel (head dims that are a
         multiple of 8); False = PyTorch's attention with goose's linear kernel (for comparisons).
         `prepack`: None = oneDNN prepacked weights when available (float32, CPU); False = `F.linear`.
-        `gemv`: also keep W^T for single-row calls (None = when prepacked; doubles the weight memory)."""
+        `gemv`: also keep W^T for single-row calls (None = when prepacked; doubles the weight memory).
+        `arith`: "exact" (the float32 products of the weights' values) or "int8": the projections and output
+        head over GGUF blocks multiply 8-bit activations in integers (`goose.backends.int8`; float32 weights
+        are refused, never quantized here). Each is lossless against plain greedy decoding in the same arith."""
+        if arith not in ARITHS:
+            raise GooseError(f"unknown arith '{arith}'; choose one of: {', '.join(ARITHS)}")
         reason = unsupported_reason(model)
         if reason is not None:
             raise GooseError(f"LeanForward does not support this model: {reason}; use HFForward")
@@ -296,6 +303,9 @@ class LeanForward:
         # which kernels run the weight multiplies and attention (part of the cost-curve cache key)
         self.backend = (f"goose-{kern.variant}" if kern is not None else "onednn" if self.prepacked else "torch") + (
             "+gemv" if self.gemv else "") + ("+attention" if self.attn_kernel is not None else "")
+        self.arith = arith
+        if arith == "int8":
+            self._use_int8()
         quantized = sorted({lin.packed.fmt for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)
                             if isinstance(lin.packed, QuantWeight)})
         if quantized:  # GGUF blocks on goose's quantized kernels (`goose.backends.quant`)
@@ -305,6 +315,19 @@ class LeanForward:
         self.cache = self.new_cache()  # the cache of the single-sequence API (reset / __call__ / keep)
         # the weights this forward copied, packed or adopted (taken after fusing: `cat` may re-point them)
         self.fingerprint = weights_fingerprint(model)
+
+    def _use_int8(self) -> None:
+        """Every projection over GGUF blocks (and the output head) on the integer kernels; all of them must be."""
+        linears = [lin for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
+        if not all(isinstance(lin.packed, QuantWeight) for lin in linears):
+            raise GooseError('arith="int8" needs every projection and the output head held as GGUF blocks '
+                             "(a model loaded with --weights gguf); float32 weights are not quantized")
+        ik = int8.kernels()
+        if ik is None:
+            raise GooseError(f"goose's integer kernels cannot run here: {int8.unavailable_reason()}")
+        for lin in linears:
+            lin.kernel = ik
+        self.backend += f"+int8-{ik.variant}"
 
     def _layer_plan(self) -> cpukernel.LayerPlan | None:
         if self.attn_kernel is None or any(L.qk_norm is not None for L in self.layers):

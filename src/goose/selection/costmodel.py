@@ -94,7 +94,7 @@ def monotone(ms: list[float]) -> list[float]:
     return [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
 
 
-_KERNEL_SOURCES = ("cpu_kernels.cpp", "quant_kernels.cpp")
+_KERNEL_SOURCES = ("cpu_kernels.cpp", "quant_kernels.cpp", "int8_kernels.cpp")
 _kernels_digest: list[str] = []
 
 

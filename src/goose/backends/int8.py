@@ -1,0 +1,211 @@
+"""Integer arithmetic over GGUF weight blocks: goose's integer-dot kernels (``int8_kernels.cpp``).
+
+The same packed weights as `goose.backends.quant` (a `QuantWeight`, formats Q8_0, Q4_0, Q4_1, Q4_K, Q6_K),
+multiplied another way: each row of the input is quantized to 8-bit integers in blocks of 32 (one float32
+scale per block, ``d = max|x| / 127``, ``q = rint(x / d)`` as ``rint(x * (1 / d))``), each weight group's
+integer quants are multiplied with them exactly in int32 (``vpdpbusd`` on VNNI), and each output sums the
+groups' scaled integer dot products in one fixed order (see the source for the exact float operations).
+
+What is guaranteed (tests check each point):
+
+* Row independence: a row's result depends on that row alone, not on how many rows are computed with it,
+  their tile, the thread count or the variant: every variant gives the same bits (a NumPy reference with
+  exact integer sums too). So a forward in this arithmetic gives the same tokens with every decoding method.
+* Not the float32 model's values: the activations are rounded to 8 bits, so logits differ from the float32
+  path (`goose.backends.quant`, bit-identical to the float32 model) by about the quantization error. Plain
+  greedy decoding *in this arithmetic* is the reference for losslessness.
+
+Variants, chosen from the CPU flags (``/proc/cpuinfo``), in this fallback order: ``vnni512`` (AVX-512
+F/BW/VL + AVX512-VNNI + AVX512-VBMI: 16 columns per register, up to 8 rows per tile), ``amx`` (AMX-INT8
+tiles: a group's products for 16 rows x 16 columns in one tile instruction, for calls of 4 rows or more,
+fewer rows as ``vnni512``; Linux must grant the tile state; it comes after ``vnni512`` because on a Sapphire
+Rapids Xeon it measured no faster: the per-group float arithmetic, the same in both, dominates, so it runs
+only when forced), ``avxvnni`` (AVX2 + AVX-VNNI, ``vpdpbusd`` on 8 lanes), ``avx2`` (AVX2 ``vpmaddubsw``;
+FMA and F16C for the rest). ``GOOSE_INT8_VARIANT=<name>`` drops the ones above <name> (for comparisons and tests), and
+``GOOSE_KERNEL_VARIANT=avx2`` (goose's float kernels on AVX2) caps these at ``avx2`` too. Built once per
+variant and machine into ``$XDG_CACHE_HOME/goose/kernels/`` like goose's other kernels
+(`goose.backends.cpukernel`); ``GOOSE_CPU_KERNEL=0`` switches them off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from ..paths import cache_root
+from . import cpukernel
+from .quant import FORMATS, PANEL, QuantWeight
+
+SOURCE = Path(__file__).with_name("int8_kernels.cpp")
+ABI = 1
+BLOCK = 32  # activation values per scale
+BASE_FLAGS = [*cpukernel.BASE_FLAGS, "-ffp-contract=off", "-fno-math-errno"]
+_F16 = ["-mavx2", "-mfma", "-mf16c"]
+# name -> (compiler flags, CPU flags it needs); ORDER: the fallback order
+VARIANTS = {
+    "amx": ([*_F16, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi", "-mamx-tile",
+             "-mamx-int8"],
+            {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "amx_tile",
+             "amx_int8"}),
+    "vnni512": ([*_F16, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi"],
+                {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}),
+    "avxvnni": ([*_F16, "-mavxvnni"], {"avx2", "fma", "f16c", "avx_vnni"}),
+    "avx2": (_F16, {"avx2", "fma", "f16c"}),
+}
+ORDER = ("vnni512", "amx", "avxvnni", "avx2")  # (amx after vnni512: not faster here, see the module doc)
+ISA = {"amx": 1024, "vnni512": 512, "avxvnni": 257, "avx2": 256}  # goose_int8_isa() of each variant
+ENV_VARIANT = "GOOSE_INT8_VARIANT"
+
+_state: dict[str, tuple] = {}
+
+
+def runnable_variants() -> list[str]:
+    """The variants this CPU runs, best first; ``GOOSE_INT8_VARIANT=<name>`` drops the ones above <name>,
+    ``GOOSE_KERNEL_VARIANT=avx2`` the ones above avx2."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
+        return []
+    flags = cpukernel._cpu_flags()
+    runnable = [v for v in ORDER if VARIANTS[v][1] <= flags]
+    for env in (ENV_VARIANT, cpukernel.ENV_VARIANT):
+        cap = os.environ.get(env, "").strip().lower()
+        if cap in runnable:
+            runnable = runnable[runnable.index(cap):]
+    return runnable
+
+
+def kernels(variant: str | None = None) -> "Int8Kernels | None":
+    """The loaded kernels of `variant` (None: the best this CPU runs), or None (see `unavailable_reason`)."""
+    return _get(variant)[0]
+
+
+def unavailable_reason(variant: str | None = None) -> str | None:
+    """Why `kernels(variant)` is None here (None when it is available); builds and loads it on first call."""
+    return _get(variant)[1]
+
+
+def _get(variant: str | None) -> tuple:
+    runnable = runnable_variants()
+    variant = variant or (runnable[0] if runnable else None)
+    if variant is None:
+        return None, "needs an x86-64 Linux CPU with AVX2, FMA and F16C"
+    if variant not in _state:
+        _state[variant] = _load(variant)
+    return _state[variant]
+
+
+def _load(variant: str) -> tuple:
+    if cpukernel.switched_off():
+        return None, f"switched off by {cpukernel.ENV_SWITCH}"
+    if variant not in VARIANTS:
+        return None, f"unknown variant '{variant}'; variants: {', '.join(ORDER)}"
+    if variant not in runnable_variants():
+        return None, f"this CPU cannot run the {variant} variant (needs {', '.join(sorted(VARIANTS[variant][1]))})"
+    if not cpukernel._gnu_openmp_loaded():
+        return None, "torch does not run on GNU OpenMP (libgomp) here"
+    cxx = cpukernel._compiler()
+    if cxx is None:
+        return None, "no C++ compiler found ($CXX, c++, g++)"
+    flags = BASE_FLAGS + VARIANTS[variant][0]
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(flags), cxx, version]).encode()).hexdigest()[:16]
+        path = cache_root() / "kernels" / f"{SOURCE.stem}-{variant}-{digest}.so"
+        if not path.is_file():
+            failed = cpukernel._build(cxx, flags, SOURCE, path)
+            if failed:
+                return None, failed
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"building or loading {SOURCE.name} ({variant}) failed: {exc}"
+    if lib.goose_int8_abi() != ABI:
+        return None, f"{path} is not this version of the kernel"
+    if not lib.goose_int8_ready():
+        return None, f"the {variant} variant cannot run here: Linux refused the AMX tile state (arch_prctl)"
+    return Int8Kernels(lib, path, variant), None
+
+
+class Int8Kernels:
+    """One loaded variant: `linear` any number of rows against a `QuantWeight`, `op` for a layer plan,
+    `quantize` (the activations' quantization, for tests and references)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, variant: str) -> None:
+        self.path, self.variant = path, variant
+        self.isa = lib.goose_int8_isa()
+        self._fn = lib.goose_int8_linear
+        self._fn.restype = None
+        self._fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
+                             ctypes.c_int, ctypes.c_int]
+        self._quantize = lib.goose_int8_quantize
+        self._quantize.restype = None
+        self._quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+
+    def __repr__(self) -> str:
+        return f"Int8Kernels({self.variant})"
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [M, K]`` (float32, K a multiple of 32) -> ``(q [M, K] int8, d [M, K / 32] float32)``."""
+        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] % BLOCK:
+            raise ValueError(f"x must be a float32 CPU [M, K] tensor with K a multiple of {BLOCK}")
+        x = x.contiguous()
+        m, k = x.shape
+        q = torch.empty(m, k, dtype=torch.int8)
+        d = torch.empty(m, k // BLOCK, dtype=torch.float32)
+        if m:
+            self._quantize(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr())
+        return q, d
+
+    def op(self, weight: QuantWeight, n: int, bias: torch.Tensor | None) -> cpukernel.PlanOp:
+        """A projection of a `CpuKernels.layer_plan` in this arithmetic (the call shape of the float32 one)."""
+        self._check_weight(weight, n)
+        return cpukernel.PlanOp(ctypes.cast(self._fn, ctypes.c_void_p).value, FORMATS[weight.fmt][0], weight.data,
+                                n, weight.k, bias)
+
+    @staticmethod
+    def _check_weight(weight: QuantWeight, n: int) -> None:
+        if not isinstance(weight, QuantWeight):
+            raise TypeError("weight must be a QuantWeight")
+        if n != weight.n:
+            raise ValueError(f"n = {n}, the weight has {weight.n} rows")
+        want = weight.kernels.packed_bytes(weight.fmt, weight.n, weight.k)
+        if weight.data.numel() != want or not weight.data.is_contiguous() or weight.k % BLOCK:
+            raise ValueError("the packed weight has the wrong size")
+
+    def linear(self, x: torch.Tensor, weight: QuantWeight, n: int, bias: torch.Tensor | None = None, *,
+               norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``in(x) [M, K]`` times the ``[n, K]`` weight, plus bias: ``[M, n]`` float32, the call of
+        `QuantKernels.linear` (`norm`, `gated`, `out` as there; `bias` padded to whole 16-column panels)."""
+        self._check_weight(weight, n)
+        k_in = weight.k
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError("x must be a float32 CPU [M, K] tensor")
+        x = x.contiguous()
+        m, k = x.shape
+        if k != (2 * k_in if gated else k_in):
+            raise ValueError(f"input has {k} features, the weight {k_in}" + (" (x2 when gated)" if gated else ""))
+        if norm is not None and (gated or tuple(norm[0].shape) != (k_in,) or norm[0].dtype != torch.float32):
+            raise ValueError("norm needs an ungated input and a float32 [K] weight")
+        padded = -(-n // PANEL) * PANEL
+        if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.numel() < padded
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"bias must be a contiguous float32 tensor of at least {padded} values (padded)")
+        if out is None:
+            y = torch.empty(m, n, dtype=torch.float32)
+        elif tuple(out.shape) != (m, n) or not out.is_contiguous() or out.dtype != torch.float32:
+            raise ValueError(f"out must be a contiguous float32 [{m}, {n}] tensor")
+        else:
+            y = out
+        if m == 0:
+            return y
+        nw, eps = (None, 0.0) if norm is None else (norm[0].contiguous(), float(norm[1]))
+        self._fn(FORMATS[weight.fmt][0], x.data_ptr(), m, k_in, weight.data.data_ptr(), n,
+                 None if bias is None else bias.data_ptr(), y.data_ptr(), None if nw is None else nw.data_ptr(), eps,
+                 int(gated), int(out is not None))
+        return y

@@ -1,0 +1,624 @@
+// goose's integer-dot kernels over GGUF weight blocks (built by int8.py, once per variant: AVX512-VNNI with
+// VBMI, AVX-VNNI, AVX2): y = in(x) W^T with the activations quantized to 8 bits per row, in blocks of 32,
+// and exact int32 dot products against the weights' integer quants. The packed weight is the one
+// quant_kernels.cpp packs and reads (goose_quant_pack; 16-column panels, see the layout there), so one
+// QuantWeight serves both arithmetics.
+//
+// ---- the arithmetic (the same float operations in the same order on every variant) ----
+//
+// Activations, per row and per block b of 32 values x[32]:
+//   amax = max |x|;  d = amax / 127;  id = d != 0 ? 1 / d : 0;  q = rint(x * id)  (round half to even; |q| <= 127)
+//   (all float32 operations, as written). S(b) = sum of q (int), S16(h) = sum of the 16 q of half-block h.
+// Weights: the integer quants of each group (G = 32, Q6_K: 16) and their float32 scale s (and offset o):
+//   Q8_0: s = d_w (half), w = s * q                Q4_0: s = d_w, w = s * (q - 8)
+//   Q4_1: s = d_w, o = m_w (halves), w = s*q + o   Q4_K: s = d*sc, o = -(dmin*mn) (float32), w = s*q + o
+//   Q6_K: s = d*sc (float32), w = s * (q - 32), groups of 16
+// One output y[m, n] is a float32 chain over the groups g of the row, in order, from acc = 0:
+//   i   = sum_k q_w[k] * q_x[k]  - c * S   (exact int32; c = 8 for Q4_0, 32 for Q6_K (S16), else 0)
+//   acc = fma(float(i), s * d, acc)                         (d: the row's scale of the block holding g)
+//   acc = fma(o, d * float(S), acc)                         (Q4_1 and Q4_K only)
+// (fma: one rounding), then acc + bias (if any), then y + acc (accumulate). No other multiply and add is
+// fused (the file is compiled with -ffp-contract=off), so a NumPy reference that emulates fma exactly gives
+// the same bits. Nothing depends on M,
+// on the row tile, on the thread count or on the variant: integer sums are exact in any order and the
+// float chain is per output.
+//
+// in(x) and the fused options (RMSNorm before, gated silu * up, residual add) are those of
+// goose_quant_linear; this file's `prepare` is the same source, compiled without contraction.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#if defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int kCols = 16;  // output columns per panel
+constexpr int kBlock = 32; // activation block
+
+enum Fmt { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kFormats = 5 };
+
+struct Info {
+  int group;   // weights per group along K
+  int header;  // header bytes per group (16 columns)
+  int quants;  // quant bytes per group (16 columns)
+  int block;   // GGUF block: weights
+};
+constexpr Info kInfo[kFormats] = {
+    {32, 32, 512, 32}, {32, 32, 256, 32}, {32, 64, 256, 32}, {32, 128, 256, 256}, {16, 64, 256, 256},
+};
+constexpr int group_bytes(int f) { return kInfo[f].header + kInfo[f].quants; }
+constexpr bool nibbles(int f) { return f == kQ4_0 || f == kQ4_1 || f == kQ4_K; }
+constexpr bool has_offset(int f) { return f == kQ4_1 || f == kQ4_K; }
+
+// ---- 16 columns of int32 / float32: one zmm, or two ymm ----
+#if defined(__AVX512F__)
+#define GOOSE_VNNI 1
+constexpr int kTile = 8;
+constexpr int kAmxRows = 4;  // calls of at least this many rows use AMX tiles (AMX builds)
+struct I {
+  __m512i v;
+};
+struct V {
+  __m512 v;
+};
+inline I izero() { return {_mm512_setzero_si512()}; }
+inline I iset(int32_t a) { return {_mm512_set1_epi32(a)}; }
+inline I isub(I a, I b) { return {_mm512_sub_epi32(a.v, b.v)}; }
+inline I ishl7(I a) { return {_mm512_slli_epi32(a.v, 7)}; }
+inline I bcast(const uint8_t* p) {
+  int32_t t;
+  memcpy(&t, p, 4);
+  return {_mm512_set1_epi32(t)};
+}
+// 64 bytes = 4 rows (k or j) x 16 columns -> dword c holds the 4 bytes of column c
+inline I wload(const uint8_t* p) {
+  const __m512i idx = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12, 59, 43, 27, 11,
+                                      58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8, 55, 39, 23, 7, 54, 38, 22, 6, 53,
+                                      37, 21, 5, 52, 36, 20, 4, 51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32,
+                                      16, 0);
+  return {_mm512_permutexvar_epi8(idx, _mm512_loadu_si512(p))};
+}
+inline I lo4(I a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(15))}; }
+inline I hi4(I a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(15))}; }
+// acc + sum over each dword of u (unsigned bytes) * s (signed bytes)
+inline I dot(I acc, I u, I s) { return {_mm512_dpbusd_epi32(acc.v, u.v, s.v)}; }
+inline V vcvt(I a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline V vset(float a) { return {_mm512_set1_ps(a)}; }
+inline V vzero() { return {_mm512_setzero_ps()}; }
+inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+inline V vhalf(const uint8_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+#else
+#if defined(__AVXVNNI__)
+#define GOOSE_VNNI 1
+#else
+#define GOOSE_VNNI 0
+#endif
+constexpr int kTile = 4;
+struct I {
+  __m256i a, b;
+};
+struct V {
+  __m256 a, b;
+};
+inline I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline I iset(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
+inline I isub(I x, I y) { return {_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)}; }
+inline I ishl7(I x) { return {_mm256_slli_epi32(x.a, 7), _mm256_slli_epi32(x.b, 7)}; }
+inline I bcast(const uint8_t* p) {
+  int32_t t;
+  memcpy(&t, p, 4);
+  const __m256i v = _mm256_set1_epi32(t);
+  return {v, v};
+}
+inline I wload(const uint8_t* p) {
+  const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  const __m128i r2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32));
+  const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 48));
+  const __m128i t0 = _mm_unpacklo_epi8(r0, r1), t1 = _mm_unpackhi_epi8(r0, r1);
+  const __m128i t2 = _mm_unpacklo_epi8(r2, r3), t3 = _mm_unpackhi_epi8(r2, r3);
+  return {_mm256_set_m128i(_mm_unpackhi_epi16(t0, t2), _mm_unpacklo_epi16(t0, t2)),
+          _mm256_set_m128i(_mm_unpackhi_epi16(t1, t3), _mm_unpacklo_epi16(t1, t3))};
+}
+inline I lo4(I x) {
+  const __m256i m = _mm256_set1_epi8(15);
+  return {_mm256_and_si256(x.a, m), _mm256_and_si256(x.b, m)};
+}
+inline I hi4(I x) {
+  const __m256i m = _mm256_set1_epi8(15);
+  return {_mm256_and_si256(_mm256_srli_epi16(x.a, 4), m), _mm256_and_si256(_mm256_srli_epi16(x.b, 4), m)};
+}
+#if GOOSE_VNNI
+inline I dot(I acc, I u, I s) {
+  return {_mm256_dpbusd_avx_epi32(acc.a, u.a, s.a), _mm256_dpbusd_avx_epi32(acc.b, u.b, s.b)};
+}
+#else
+// u <= 63 here (quants of at most 6 bits), or |w| <= 128 of Q8_0 against |x| <= 127:: the pairwise int16 sums
+// of maddubs cannot saturate
+inline I dot(I acc, I u, I s) {
+  const __m256i one = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(acc.a, _mm256_madd_epi16(_mm256_maddubs_epi16(u.a, s.a), one)),
+          _mm256_add_epi32(acc.b, _mm256_madd_epi16(_mm256_maddubs_epi16(u.b, s.b), one))};
+}
+#endif
+inline V vcvt(I x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+inline V vset(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V vmul(V x, V y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+inline V vfma(V x, V y, V z) { return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)}; }
+inline V vadd(V x, V y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
+inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, V x) {
+  _mm256_storeu_ps(p, x.a);
+  _mm256_storeu_ps(p + 8, x.b);
+}
+inline V vhalf(const uint8_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+}
+#endif
+
+#if !GOOSE_VNNI
+// Q8_0 without VNNI: |w| (unsigned) times x * sign(w)
+inline I qabs(I x) { return {_mm256_abs_epi8(x.a), _mm256_abs_epi8(x.b)}; }
+inline I qsign(I x, I w) { return {_mm256_sign_epi8(x.a, w.a), _mm256_sign_epi8(x.b, w.b)}; }
+#endif
+
+#if defined(__AMX_INT8__)
+#define GOOSE_AMX 1
+#else
+#define GOOSE_AMX 0
+#endif
+
+// Q8_0 on VNNI and AMX multiplies unsigned activations: q + 128 (stored so), the excess 128 * sum(w) taken
+// off after.
+constexpr bool kOffsetQ8 = GOOSE_VNNI;
+
+// The activations of M rows, quantized for format F: q in the order the kernel reads (nibble formats:
+// within each 8 values, the 4 even then the 4 odd ones; Q8_0 on VNNI: q + 128), and per row and group g
+// the group's scale d, its integer correction ic (-c * S, see the top) and, for Q4_1 / Q4_K, dS = d * S.
+struct Act {
+  std::vector<uint8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> ic;
+  int64_t ldq = 0, ldg = 0;
+};
+
+// One block of 32 activations (max of |x| is exact in any order; x * id and the conversion, rounding half to
+// even, are per lane): its scale d returned, its 32 bytes to `out` in the kernel's order (`nibble`:
+// each 8 values as the 4 even then the 4 odd ones; `offset`: q + 128), the sums of both halves in s[2].
+inline __m128i bytes16(const float* x, float id);
+inline float absmax32(const float* x);
+float quantize_block(const float* x, uint8_t* out, bool nibble, bool offset, int32_t* s) {
+  const float amax = absmax32(x);
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  for (int h = 0; h < 2; ++h) {
+    __m128i b = bytes16(x + 16 * h, id);
+    // sum of 16 signed bytes: sad of (b ^ 0x80) against zero, minus 16 * 128
+    const __m128i sad = _mm_sad_epu8(_mm_xor_si128(b, _mm_set1_epi8(-128)), _mm_setzero_si128());
+    s[h] = _mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4) - 16 * 128;
+    if (nibble) b = _mm_shuffle_epi8(b, order);
+    if (offset) b = _mm_xor_si128(b, _mm_set1_epi8(-128));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), b);
+  }
+  return d;
+}
+
+#if defined(__AVX512F__)
+inline float absmax32(const float* x) {
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x)), _mm512_abs_ps(_mm512_loadu_ps(x + 16))));
+}
+inline __m128i bytes16(const float* x, float id) {
+  return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(id))));
+}
+#else
+inline float absmax32(const float* x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+  for (int t = 8; t < kBlock; t += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + t)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+inline __m128i bytes16(const float* x, float id) {
+  const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_set1_ps(id)));
+  const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), _mm256_set1_ps(id)));
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);  // 16 int16 in order
+  return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+}
+#endif
+
+template <int F>
+void quantize(const float* x, int64_t M, int64_t K, Act& a) {
+  constexpr int G = kInfo[F].group;
+  const int64_t blocks = K / kBlock, groups = K / G, padded = (M + 15) / 16 * 16;
+  a.ldq = K;
+  a.ldg = groups;
+  a.q.resize(padded * K);  // (whole tiles of 16 rows for AMX; the rows past M are zero)
+  if (padded > M) memset(a.q.data() + M * K, 0, (padded - M) * K);
+  a.d.resize(M * groups);
+  a.ic.resize(M * groups);
+  if (has_offset(F)) a.ds.resize(M * groups);
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t s[2];
+      const float d = quantize_block(x + m * K + b * kBlock, a.q.data() + m * K + b * kBlock, nibbles(F),
+                                          F == kQ8_0 && kOffsetQ8, s);
+      if constexpr (F == kQ6_K) {
+        a.d[m * groups + 2 * b] = d;
+        a.d[m * groups + 2 * b + 1] = d;
+        a.ic[m * groups + 2 * b] = -32 * s[0];
+        a.ic[m * groups + 2 * b + 1] = -32 * s[1];
+      } else {
+        a.d[m * groups + b] = d;
+        a.ic[m * groups + b] = F == kQ4_0 ? -8 * (s[0] + s[1]) : 0;
+        if constexpr (has_offset(F)) a.ds[m * groups + b] = d * static_cast<float>(s[0] + s[1]);
+      }
+    }
+  }
+}
+
+template <int F>
+inline void header(const uint8_t* h, V& s, V& o) {
+  if constexpr (F == kQ8_0 || F == kQ4_0) {
+    s = vhalf(h);
+  } else if constexpr (F == kQ4_1) {
+    s = vhalf(h);
+    o = vhalf(h + 32);
+  } else if constexpr (F == kQ4_K) {
+    s = vload(reinterpret_cast<const float*>(h));
+    o = vload(reinterpret_cast<const float*>(h + 64));
+  } else {
+    s = vload(reinterpret_cast<const float*>(h));
+  }
+}
+
+inline void store(float* y, V a, int cols, const float* bias, bool accumulate) {
+  if (bias) a = vadd(a, vload(bias));
+  float buf[kCols];
+  float* out = cols == kCols ? y : buf;
+  if (accumulate) {
+    if (cols != kCols) memcpy(buf, y, sizeof(float) * cols);
+    a = vadd(vload(out), a);
+  }
+  vstore(out, a);
+  if (cols != kCols) memcpy(y, buf, sizeof(float) * cols);
+}
+
+// R rows (starting at row m0 of the activations) times one panel w -> y (stride ldy).
+template <int F, int R>
+void tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64_t ldy, int cols, const float* bias,
+          bool accumulate, bool prefetch) {
+  constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
+  const int64_t groups = K / G;
+  const uint8_t* xq = a.q.data() + m0 * a.ldq;
+  const float* xd = a.d.data() + m0 * a.ldg;
+  const float* xs = has_offset(F) ? a.ds.data() + m0 * a.ldg : nullptr;
+  const int32_t* xc = a.ic.data() + m0 * a.ldg;
+  V acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* h = w + g * GB;
+    if (prefetch)
+      for (int off = 0; off < GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 2 * GB + off), _MM_HINT_T0);
+    const uint8_t* q = h + HB;
+    I ia[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) ia[r] = F == kQ4_0 || F == kQ6_K ? iset(xc[r * a.ldg + g]) : izero();
+    const uint8_t* xg = xq + g * G;
+    if constexpr (nibbles(F)) {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const I v = wload(q + 64 * t), lo = lo4(v), hi = hi4(v);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          ia[r] = dot(ia[r], lo, bcast(xg + r * a.ldq + 8 * t));
+          ia[r] = dot(ia[r], hi, bcast(xg + r * a.ldq + 8 * t + 4));
+        }
+      }
+    } else if constexpr (F == kQ6_K) {
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) {
+        const I v = wload(q + 64 * t);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) ia[r] = dot(ia[r], v, bcast(xg + r * a.ldq + 4 * t));
+      }
+    } else {  // Q8_0
+#if GOOSE_VNNI
+      I sw = izero();
+      const I ones = iset(0x01010101);
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const I v = wload(q + 64 * t);
+        sw = dot(sw, ones, v);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) ia[r] = dot(ia[r], bcast(xg + r * a.ldq + 4 * t), v);
+      }
+      const I excess = ishl7(sw);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) ia[r] = isub(ia[r], excess);
+#else
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const I v = wload(q + 64 * t), u = qabs(v);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) ia[r] = dot(ia[r], u, qsign(bcast(xg + r * a.ldq + 4 * t), v));
+      }
+#endif
+    }
+    V s, o;
+    header<F>(h, s, o);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      acc[r] = vfma(vcvt(ia[r]), vmul(s, vset(xd[r * a.ldg + g])), acc[r]);
+      if constexpr (has_offset(F)) acc[r] = vfma(o, vset(xs[r * a.ldg + g]), acc[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) store(y + r * ldy, acc[r], cols, bias, accumulate);
+}
+
+template <int F>
+inline void rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64_t ldy, int cols,
+                 const float* bias, bool acc, bool pf) {
+  switch (r) {
+#if defined(__AVX512F__)
+    case 8: tile<F, 8>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 7: tile<F, 7>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 6: tile<F, 6>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 5: tile<F, 5>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+#endif
+    case 4: tile<F, 4>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 3: tile<F, 3>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 2: tile<F, 2>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    default: tile<F, 1>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+  }
+}
+
+#if GOOSE_AMX
+// ---- AMX-INT8: the integer dot products of up to 16 rows x 16 columns of a group in one tile op ----
+struct TileConfig {
+  uint8_t palette, start;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// One panel, all M rows: per pair of groups, the weights' quants transposed into B (G / 4 rows of 16
+// columns x 4 bytes), then per 16 rows C = A B (A: the rows' activation bytes) for both groups, then each
+// row's float chain as above, the groups in order. (Two groups in flight: the tile operations of one
+// overlap the other's.) The tile configuration is loaded by the caller.
+template <int F>
+inline void amx_weights(const uint8_t* q, uint8_t* bt, I& excess) {
+  constexpr int G = kInfo[F].group;
+  I sw = izero();  // Q8_0: the column sums of the quants
+  if constexpr (nibbles(F)) {
+    for (int t = 0; t < 4; ++t) {
+      const I v = wload(q + 64 * t);
+      _mm512_store_si512(bt + 128 * t, lo4(v).v);
+      _mm512_store_si512(bt + 128 * t + 64, hi4(v).v);
+    }
+  } else {
+    for (int t = 0; t < G / 4; ++t) {
+      const I v = wload(q + 64 * t);
+      if constexpr (F == kQ8_0) sw = dot(sw, iset(0x01010101), v);
+      _mm512_store_si512(bt + 64 * t, v.v);
+    }
+  }
+  excess = ishl7(sw);
+}
+
+template <int F>
+inline void amx_rows(const Act& a, int64_t m0, int64_t rows, int64_t g, const int32_t* ct, V s, V o, I excess,
+                     float* accs) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    __m512i ia = _mm512_load_si512(ct + 16 * r);
+    if constexpr (F == kQ4_0 || F == kQ6_K) ia = _mm512_add_epi32(ia, _mm512_set1_epi32(a.ic[m * a.ldg + g]));
+    if constexpr (F == kQ8_0) ia = _mm512_sub_epi32(ia, excess.v);
+    V acc = vload(accs + 16 * m);
+    acc = vfma(vcvt(I{ia}), vmul(s, vset(a.d[m * a.ldg + g])), acc);
+    if constexpr (has_offset(F)) acc = vfma(o, vset(a.ds[m * a.ldg + g]), acc);
+    vstore(accs + 16 * m, acc);
+  }
+}
+
+template <int F>
+void amx_config() {
+  constexpr int G = kInfo[F].group;
+  TileConfig cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 2; ++t) {
+    cfg.rows[t] = 16, cfg.colsb[t] = 64;          // C: 16 rows x 16 int32
+    cfg.rows[2 + t] = 16, cfg.colsb[2 + t] = G;   // A: 16 rows x G activation bytes
+    cfg.rows[4 + t] = G / 4, cfg.colsb[4 + t] = 64;  // B: G / 4 rows x 16 columns x 4 bytes
+  }
+  _tile_loadconfig(&cfg);
+}
+
+template <int F>
+void panel_amx(const Act& a, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy, int cols,
+               const float* bias, bool accumulate, float* accs) {
+  constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
+  alignas(64) uint8_t bt[2][G / 4 * 64];
+  alignas(64) int32_t ct[2][16 * 16];
+  const int64_t groups = K / G;
+  for (int64_t m = 0; m < M; ++m) _mm512_storeu_ps(accs + 16 * m, _mm512_setzero_ps());
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool two = g + 1 < groups;
+    const uint8_t* h = w + g * GB;
+    for (int off = 0; off < 2 * GB; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(h + 4 * GB + off), _MM_HINT_T0);
+    I ex0, ex1 = izero();
+    V s0, o0, s1, o1;
+    amx_weights<F>(h + HB, bt[0], ex0);
+    header<F>(h, s0, o0);
+    _tile_loadd(4, bt[0], 64);
+    if (two) {
+      amx_weights<F>(h + GB + HB, bt[1], ex1);
+      header<F>(h + GB, s1, o1);
+      _tile_loadd(5, bt[1], 64);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      const uint8_t* xa = a.q.data() + m0 * a.ldq + g * G;
+      _tile_loadd(2, xa, a.ldq);
+      _tile_zero(0);
+      if constexpr (F == kQ8_0) _tile_dpbusd(0, 2, 4); else _tile_dpbsud(0, 2, 4);
+      if (two) {
+        _tile_loadd(3, xa + G, a.ldq);
+        _tile_zero(1);
+        if constexpr (F == kQ8_0) _tile_dpbusd(1, 3, 5); else _tile_dpbsud(1, 3, 5);
+      }
+      _tile_stored(0, ct[0], 64);
+      if (two) _tile_stored(1, ct[1], 64);
+      const int64_t rows = M - m0 < 16 ? M - m0 : 16;
+      if (two) {  // per row: group g, then g + 1
+        for (int64_t r = 0; r < rows; ++r) {
+          amx_rows<F>(a, m0 + r, 1, g, ct[0] + 16 * r, s0, o0, ex0, accs);
+          amx_rows<F>(a, m0 + r, 1, g + 1, ct[1] + 16 * r, s1, o1, ex1, accs);
+        }
+      } else {
+        amx_rows<F>(a, m0, rows, g, ct[0], s0, o0, ex0, accs);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) store(y + m * ldy, vload(accs + 16 * m), cols, bias, accumulate);
+}
+#endif
+
+template <int F>
+void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
+            bool acc) {
+  Act a;
+  quantize<F>(x, M, K, a);
+#if GOOSE_AMX
+  if (M >= kAmxRows) {
+    const int64_t panels = (N + kCols - 1) / kCols;
+    const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
+#pragma omp parallel
+    {
+      std::vector<float> accs(M * kCols);
+      amx_config<F>();
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < panels; ++p) {
+        const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
+        panel_amx<F>(a, M, K, packed + p * pbytes, y + p * kCols, N, cols, bias ? bias + p * kCols : nullptr, acc,
+                     accs.data());
+      }
+      _tile_release();
+    }
+    return;
+  }
+#endif
+  const int64_t panels = (N + kCols - 1) / kCols;
+  const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
+  const int64_t tiles = (M + kTile - 1) / kTile;  // rows spread evenly over the fewest tiles
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
+    const float* b = bias ? bias + p * kCols : nullptr;
+    for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
+      r = (M - m) / (tiles - i);
+      rows<F>(static_cast<int>(r), a, m, K, packed + p * pbytes, y + m * N + p * kCols, N, cols, b, acc, m == 0);
+    }
+  }
+}
+
+// in(x) for the rows of x, written to buf [M, K]: the source of quant_kernels.cpp's `prepare`.
+void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* o = buf + m * K;
+    if (gated) {
+      const float* g = x + m * 2 * K;
+      const float* u = g + K;
+      for (int64_t k = 0; k < K; ++k) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    } else {
+      const float* r = x + m * K;
+      double ss = 0.0;
+      for (int64_t k = 0; k < K; ++k) ss += (double)r[k] * r[k];
+      const float scale = 1.0f / sqrtf((float)(ss / K) + eps);
+      for (int64_t k = 0; k < K; ++k) o[k] = norm[k] * (r[k] * scale);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int goose_int8_abi(void) { return 1; }
+
+// 1 when this library's variant can run here: the AMX variant asks Linux for the tile data state first
+// (arch_prctl ARCH_REQ_XCOMP_PERM, once per process); 0 when refused.
+int goose_int8_ready(void) {
+#if GOOSE_AMX
+  static const int ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+#else
+  return 1;
+#endif
+}
+
+// 1024: AMX-INT8 (+ AVX512-VNNI); 512: AVX512-VNNI; 257: AVX-VNNI; 256: AVX2
+int goose_int8_isa(void) {
+#if GOOSE_AMX
+  return 1024;
+#elif defined(__AVX512F__)
+  return 512;
+#elif GOOSE_VNNI
+  return 257;
+#else
+  return 256;
+#endif
+}
+
+// The quantized activations of x [M, K] (K a multiple of 32), in natural order: q [M, K] int8, d [M, K / 32].
+void goose_int8_quantize(const float* x, int64_t M, int64_t K, int8_t* q, float* d) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      int32_t s[2];
+      uint8_t* out = reinterpret_cast<uint8_t*>(q + m * K + b * kBlock);
+      d[m * (K / kBlock) + b] = quantize_block(x + m * K + b * kBlock, out, false, false, s);
+    }
+}
+
+// The call shape of goose_quant_linear (same packed weight, same fused options): x [M, K] ([M, 2K] gated),
+// packed [N, K] in format f, bias [ceil(N / 16) * 16] or null, norm [K] or null, y [M, N].
+void goose_int8_linear(int f, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                       const float* bias, float* y, const float* norm, float eps, int gated, int accumulate) {
+  std::vector<float> buf;
+  if (norm || gated) {
+    buf.resize(M * K);
+    prepare(x, M, K, norm, eps, gated, buf.data());
+    x = buf.data();
+  }
+  const bool acc = accumulate != 0;
+  switch (f) {
+    case kQ8_0: linear<kQ8_0>(x, M, K, packed, N, bias, y, acc); break;
+    case kQ4_0: linear<kQ4_0>(x, M, K, packed, N, bias, y, acc); break;
+    case kQ4_1: linear<kQ4_1>(x, M, K, packed, N, bias, y, acc); break;
+    case kQ4_K: linear<kQ4_K>(x, M, K, packed, N, bias, y, acc); break;
+    case kQ6_K: linear<kQ6_K>(x, M, K, packed, N, bias, y, acc); break;
+    default: break;
+  }
+}
+
+}  // extern "C"
