@@ -162,7 +162,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
     `close_engine`: on shutdown, close the engine, letting running requests finish for `drain_timeout` s."""
     tok = engine.tokenizer
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    metrics = Metrics(engine)
+    metrics = Metrics(engine, model_name)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -395,10 +395,12 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
             return sse(out)
 
         finished = False
+        role_sent = not chat  # chat's role chunk goes with the first tokens, as vLLM's: clients time TTFT by it
         try:
-            if chat:
-                yield chunk(None, role=True)
             async for tokens, sources in blocks(req, sink):
+                if not role_sent:
+                    role_sent = True
+                    yield chunk(None, role=True)
                 pieces = emitter.feed(tokens, sources, per_token=want_sources)
                 if not pieces:
                     continue
@@ -409,6 +411,8 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, max_body_
                                        "forward_calls": st.forward_calls}}
                 yield chunk("".join(t for t, _ in pieces), extra=extra)
             finished = True
+            if not role_sent:
+                yield chunk(None, role=True)
             metrics.observe(endpoint, req)
             if req.finish_reason not in ("stop", "length"):
                 err = failure(req)
