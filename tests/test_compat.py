@@ -184,3 +184,21 @@ def test_vllm_series_count_what_the_responses_say(client, url, setup):
     assert after[("goose_prefix_cache_evicted_blocks_total", ())] == store.evicted > 0
     assert after[("goose_prefix_cache_bytes", ())] == store.bytes <= after[("goose_prefix_cache_limit_bytes", ())]
     assert after[("goose_prefix_cache_blocks", ())] == len(store)
+
+
+# ---- a soak whose working set outgrows the prefix cache ------------------------------------------------
+def test_soak_with_unique_prompts_and_stops_makes_the_prefix_cache_evict(url, setup, tmp_path, capsys):
+    from goose.cli import main
+
+    engine = setup[0]
+    wait_idle(engine)
+    out = tmp_path / "soak.json"
+    rc = main(["bench-serve", "--url", url + "/v1", "--concurrency", "3", "--requests", "3", "--max-tokens", "6",
+               "--soak", "24", "--soak-unique", "--soak-stop-rate", "0.5", "--json", str(out), "--timeout", "120"])
+    soak = json.loads(out.read_text())["soak"]
+    assert rc == 0 and soak["requests"] == 24 and soak["errors"] == 0 and soak["running_after"] == 0
+    assert soak["unique_prompts"] and soak["prefix_evicted_blocks"] > 0 and soak["prompt_tokens"] > 0
+    assert soak["prefix_cache_mb_after"] <= 0.02
+    assert "blocks evicted" in capsys.readouterr().out
+    assert main(["bench-serve", "--url", url + "/v1", "--soak", "1", "--soak-stop-rate", "2"]) == 2
+    wait_idle(engine)
