@@ -54,6 +54,7 @@ class Request:
         self.finish_reason: str | None = None
         self.submitted = time.perf_counter()
         self.first_token_at: float | None = None
+        self.block_times: list[float] = []  # when each token block was committed (inter-token latency)
         self.finished_at: float | None = None
         self._result: GenerationResult | None = None
 
@@ -123,8 +124,9 @@ class Request:
 
     # ---- engine side ---------------------------------------------------------------------------------
     def _deliver(self, block: list[int]) -> None:
+        self.block_times.append(time.perf_counter())
         if self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
+            self.first_token_at = self.block_times[0]
         self._blocks.put(block)
         if self._on_tokens is not None:
             self._on_tokens(block)

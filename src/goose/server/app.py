@@ -341,7 +341,7 @@ class Serving:
         self.tok = tok
         self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
         self._view = _EngineView(self)
-        self.metrics = Metrics(self._view)
+        self.metrics = Metrics(self._view, model_name)
         self.created = int(time.time())
 
     # ---- engine failures -------------------------------------------------------------------------------
@@ -630,10 +630,12 @@ class Serving:
             return sse(out)
 
         finished = False
+        role_sent = not chat  # chat's role chunk goes with the first tokens, as vLLM's: clients time TTFT by it
         try:
-            if chat:
-                yield chunk(None, role=True)
             async for tokens, sources in self.blocks(req, sink):
+                if not role_sent:
+                    role_sent = True
+                    yield chunk(None, role=True)
                 pieces = emitter.feed(tokens, sources, per_token=want_sources)
                 if not pieces:
                     continue
@@ -644,6 +646,8 @@ class Serving:
                                        "forward_calls": st.forward_calls}}
                 yield chunk("".join(t for t, _ in pieces), extra=extra)
             finished = True
+            if not role_sent:
+                yield chunk(None, role=True)
             self.metrics.observe(endpoint, req)
             if req.finish_reason not in ("stop", "length"):
                 err = self.failure(req)

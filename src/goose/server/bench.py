@@ -5,7 +5,11 @@ each prompt, `max_tokens` each) through the `openai` async client and measures o
 the level's wall time, time to first token and time per output token (p50 / p95), errors, and whether every
 prompt's text equals its text at the first level. A soak then sends N more requests at the highest
 concurrency and closes a random ~20% of the streams early (client cancellations), and reads the server's
-/metrics (when it has them) for running requests and resident memory before and after.
+/metrics (when it has them) for running requests and resident memory before and after. For a soak that
+makes a prefix cache evict, `soak_unique` gives every soak request a prompt of its own (the prompt plus a
+numbered tail: the prompts' first blocks are shared, the tails and answers are new, so the working set
+outgrows any cache) and `soak_stop_rate` gives that fraction of them stop strings; the prefix cache's
+evictions and hits before and after are read from /metrics too.
 """
 
 from __future__ import annotations
@@ -66,8 +70,12 @@ def pct(values: list[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
+SOAK_STOPS = [".", "\n", " the"]  # stop strings of soak requests drawn to have them (common: they do stop)
+SOAK_RSS_TOLERANCE = 0.05  # the soak's resident memory may grow at most 5% ("flat")
+
+
 async def one_request(client, model: str, prompt: str, i: int, max_tokens: int, extra: dict,
-                      cancel_after: int | None = None) -> Sample:
+                      cancel_after: int | None = None, stop: list[str] | None = None) -> Sample:
     t0 = time.perf_counter()
     first = None
     pieces: list[str] = []
@@ -77,7 +85,8 @@ async def one_request(client, model: str, prompt: str, i: int, max_tokens: int, 
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True}, extra_body=extra or None)
+            stream=True, stream_options={"include_usage": True}, extra_body=extra or None,
+            **({"stop": stop} if stop else {}))
         async for ch in stream:
             if ch.choices and ch.choices[0].delta.content:
                 if first is None:
@@ -101,17 +110,24 @@ async def one_request(client, model: str, prompt: str, i: int, max_tokens: int, 
 
 
 async def run_level(client, model: str, prompts: list[str], concurrency: int, n_requests: int, max_tokens: int,
-                    extra: dict, timeout: float, name: str, cancel_rate: float = 0.0, seed: int = 0) -> Level:
+                    extra: dict, timeout: float, name: str, cancel_rate: float = 0.0, seed: int = 0,
+                    unique: bool = False, stop_rate: float = 0.0) -> Level:
+    """`n_requests` requests over `prompts` (in turn) at `concurrency`; `cancel_rate` of them closed after 1-7
+    chunks, `stop_rate` of them with stop strings (`SOAK_STOPS`), and with `unique` each prompt gets a tail of
+    its own (" (request SEED-N)")."""
     rng = random.Random(seed)
     order = [i % len(prompts) for i in range(n_requests)]
-    plan = [(i, rng.randrange(1, 8) if rng.random() < cancel_rate else None) for i in order]
+    plan = [(i, rng.randrange(1, 8) if rng.random() < cancel_rate else None,
+             f" (request {seed}-{n})" if unique else "", SOAK_STOPS if rng.random() < stop_rate else None)
+            for n, i in enumerate(order)]
     samples: list[Sample] = []
     queue = list(reversed(plan))
 
     async def worker():
         while queue:
-            i, cancel_after = queue.pop()
-            samples.append(await one_request(client, model, prompts[i], i, max_tokens, extra, cancel_after))
+            i, cancel_after, tail, stop = queue.pop()
+            samples.append(await one_request(client, model, prompts[i] + tail, i, max_tokens, extra, cancel_after,
+                                             stop))
 
     t0 = time.perf_counter()
     tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
@@ -152,10 +168,15 @@ async def scrape(base: str) -> dict:
         return {}
     out = {}
     for line in text.splitlines():
-        for name in ("goose_requests_running", "goose_requests_waiting", "process_resident_memory_bytes"):
+        for name in SCRAPED:
             if line.startswith(name + " "):
                 out[name] = float(line.split()[-1])
     return out
+
+
+SCRAPED = ("goose_requests_running", "goose_requests_waiting", "process_resident_memory_bytes",
+           "goose_prefix_cache_evicted_blocks_total", "goose_prefix_cache_hit_tokens_total", "goose_prefix_cache_bytes",
+           "goose_prefix_cache_limit_bytes", "goose_prompt_tokens_total", "goose_prompt_tokens_cached_total")
 
 
 def fmt(x, scale=1.0, digits=0) -> str:
@@ -175,7 +196,7 @@ def table(levels: list[Level]) -> str:
 
 async def bench(url: str, model: str | None, api_key: str, concurrencies: list[int], n_requests: int | None,
                 prompts: list[str], max_tokens: int, extra: dict, soak: int, timeout: float, seed: int,
-                label: str) -> dict:
+                label: str, soak_unique: bool = False, soak_stop_rate: float = 0.0) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, timeout=timeout)
@@ -205,16 +226,27 @@ async def bench(url: str, model: str | None, api_key: str, concurrencies: list[i
         before = await scrape(url)
         c = max(concurrencies)
         lv = await run_level(client, model, prompts, c, soak, max_tokens, extra, timeout, label + " soak",
-                             cancel_rate=0.2, seed=seed + 1)
+                             cancel_rate=0.2, seed=seed + 1, unique=soak_unique, stop_rate=soak_stop_rate)
         await asyncio.sleep(1.0)
         after = await scrape(url)
         rss = (before.get("process_resident_memory_bytes"), after.get("process_resident_memory_bytes"))
+
+        def grew(name):
+            return None if name not in after or name not in before else after[name] - before[name]
+
         result["soak"] = {"requests": lv.requests, "errors": lv.errors, "cancelled": lv.cancelled,
                           "tok_s": lv.tok_s, "wall_s": lv.wall_s, "first_error": lv.first_error,
+                          "unique_prompts": soak_unique, "stop_rate": soak_stop_rate,
                           "running_after": after.get("goose_requests_running"),
                           "waiting_after": after.get("goose_requests_waiting"),
                           "rss_before_mb": None if rss[0] is None else rss[0] / 2**20,
-                          "rss_after_mb": None if rss[1] is None else rss[1] / 2**20}
+                          "rss_after_mb": None if rss[1] is None else rss[1] / 2**20,
+                          "rss_growth": None if None in rss else rss[1] / rss[0] - 1,
+                          "prefix_evicted_blocks": grew("goose_prefix_cache_evicted_blocks_total"),
+                          "prefix_hit_tokens": grew("goose_prefix_cache_hit_tokens_total"),
+                          "prompt_tokens": grew("goose_prompt_tokens_total"),
+                          "prefix_cache_mb_after": None if "goose_prefix_cache_bytes" not in after
+                          else after["goose_prefix_cache_bytes"] / 2**20}
         levels.append(lv)
     result["table"] = table(levels)
     await client.close()
@@ -244,13 +276,21 @@ def run_cli(args) -> int:
     prompts = [q.turns[0] for q in datasets.load(args.prompts, limit=args.limit)]
     print(f"bench-serve: {args.url}, {len(prompts)} prompts, max_tokens {args.max_tokens}, concurrency "
           f"{','.join(map(str, concurrencies))}" + (f", soak {args.soak}" if args.soak else ""), file=sys.stderr)
+    stop_rate = getattr(args, "soak_stop_rate", 0.0)
+    if not 0.0 <= stop_rate <= 1.0:
+        raise GooseError(f"--soak-stop-rate must be in 0..1, got {stop_rate}")
     result = asyncio.run(bench(args.url, args.model, args.api_key, concurrencies, args.requests, prompts,
-                               args.max_tokens, extra, args.soak, args.timeout, args.seed, args.label or args.url))
+                               args.max_tokens, extra, args.soak, args.timeout, args.seed, args.label or args.url,
+                               soak_unique=getattr(args, "soak_unique", False), soak_stop_rate=stop_rate))
     print(result["table"])
     if "soak" in result:
         s = result["soak"]
         print(f"soak: {s['requests']} requests, {s['cancelled']} cancelled by the client, {s['errors']} errors; "
-              f"running after: {s['running_after']}, RSS {fmt(s['rss_before_mb'])} -> {fmt(s['rss_after_mb'])} MiB")
+              f"running after: {s['running_after']}, RSS {fmt(s['rss_before_mb'])} -> {fmt(s['rss_after_mb'])} MiB"
+              + ("" if s["rss_growth"] is None else f" ({s['rss_growth']:+.1%})")
+              + ("" if s["prefix_evicted_blocks"] is None else
+                 f"; prefix cache: {s['prefix_evicted_blocks']:.0f} blocks evicted, "
+                 f"{s['prefix_hit_tokens']:.0f} of {s['prompt_tokens']:.0f} prompt tokens reused"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -105,6 +105,11 @@ def register(sub) -> None:
     b.add_argument("--soak", type=_non_negative_int, default=0,
                    help="after the levels, N more requests at the highest concurrency, a random ~20%% of them "
                         "cancelled by the client mid-stream (issue: 500)")
+    b.add_argument("--soak-unique", action="store_true",
+                   help="give every soak request a prompt of its own (a numbered tail): a working set that outgrows "
+                        "the server's prefix cache, so it evicts")
+    b.add_argument("--soak-stop-rate", type=float, default=0.0,
+                   help="fraction of soak requests sent with stop strings (default 0)")
     b.add_argument("--timeout", type=float, default=600.0, help="seconds a whole level may take (default 600)")
     b.add_argument("--seed", type=int, default=0, help="shuffling / cancellation seed (default 0)")
     b.add_argument("--json", default=None, help="also write the results to this JSON file")

@@ -1,8 +1,17 @@
-"""Prometheus metrics of one server (a registry of its own, so several apps in a process never collide)."""
+"""Prometheus metrics of one server (a registry of its own, so several apps in a process never collide).
+
+goose's own series (``goose_*``) and, beside them, the common series of vLLM's ``/metrics`` under vLLM's names
+and labels (``vllm:*`` with ``model_name`` and ``engine="0"``), so dashboards and tools built for vLLM read
+goose unchanged (docs/serving.md, "vLLM-compatible clients and dashboards"). Speculative decoding in vLLM's
+terms: a draft is one verification forward that had draft tokens, its draft tokens are the nodes of goose's
+draft tree (a tree can accept at most one path, so vLLM's acceptance rate reads lower for trees than for
+chains), its accepted tokens those of the accepted path; mean acceptance length ``1 + accepted / drafts``.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -10,10 +19,35 @@ _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.
 _TAU = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0)
 
 
-class Metrics:
+class _PrefixCacheCollector:
+    """The engine's prefix cache (`goose.engine.prefix.PrefixCache`), read when scraped."""
+
     def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def collect(self):
+        store = self._engine.prefixes
+        if store is None:
+            return
+        evicted = CounterMetricFamily("goose_prefix_cache_evicted_blocks", "Blocks the prefix cache dropped to "
+                                      "keep to its byte budget")
+        evicted.add_metric([], store.evicted)
+        yield evicted
+        hits = CounterMetricFamily("goose_prefix_cache_hit_tokens", "Prompt tokens copied from the prefix cache")
+        hits.add_metric([], store.hits)
+        yield hits
+        yield GaugeMetricFamily("goose_prefix_cache_blocks", "Blocks in the prefix cache", value=len(store))
+        yield GaugeMetricFamily("goose_prefix_cache_bytes", "Bytes of keys and values in the prefix cache",
+                                value=store.bytes)
+        yield GaugeMetricFamily("goose_prefix_cache_limit_bytes", "The prefix cache's byte budget",
+                                value=store.max_bytes)
+
+
+class Metrics:
+    def __init__(self, engine, model_name: str = "goose") -> None:
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, cpu seconds, open fds
+        r.register(_PrefixCacheCollector(engine))
         self.requests = Counter("goose_requests", "Requests answered, by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
         self.prompt_tokens = Counter("goose_prompt_tokens", "Prompt tokens of finished requests", registry=r)
@@ -45,6 +79,41 @@ class Metrics:
         self.batch = Histogram("goose_batch_size", "Requests per engine step", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
                                registry=r)
         self._engine = engine
+        self._vllm(engine, model_name)
+
+    def _vllm(self, engine, model_name: str) -> None:
+        """vLLM's names for the common series (see the module doc)."""
+        r, names, labels = self.registry, ["model_name", "engine"], (model_name, "0")
+
+        def counter(name, doc):
+            return Counter(name, doc, names, registry=r).labels(*labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(*labels)
+
+        Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", names, registry=r) \
+            .labels(*labels).set_function(lambda: engine.load()[0])
+        Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", names, registry=r) \
+            .labels(*labels).set_function(lambda: engine.load()[1])
+        self.v_prompt = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.v_cached = counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens.")
+        self.v_generation = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          names + ["finished_reason"], registry=r)
+        self.v_success = {reason: success.labels(*labels, reason) for reason in ("stop", "length", "abort")}
+        self.v_ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                                _LATENCY)
+        self.v_itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                               _TPOT)
+        self.v_itl_old = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
+                                   "seconds (vLLM's older name of the inter-token latency).", _TPOT)
+        self.v_tpot = histogram("vllm:request_time_per_output_token_seconds", "Histogram of "
+                                "time_per_output_token_seconds per request.", _TPOT)
+        self.v_e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                               _LATENCY)
+        self.v_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.v_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.v_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
 
     def observe(self, endpoint: str, req) -> None:
         """Count a finished engine request (`goose.Request`)."""
@@ -66,6 +135,25 @@ class Metrics:
             self.tpot.observe(req.tpot_s)
         if req.finished_at is not None:
             self.e2e.observe(req.finished_at - req.submitted)
+        # vLLM's series
+        self.v_prompt.inc(st.prompt_tokens)
+        self.v_cached.inc(st.cached_tokens)
+        self.v_generation.inc(st.new_tokens)
+        self.v_success["stop" if outcome == "stop" else "length" if outcome == "length" else "abort"].inc()
+        if req.ttft_s is not None:
+            self.v_ttft.observe(req.ttft_s)
+        if req.tpot_s is not None:
+            self.v_tpot.observe(req.tpot_s)
+        if req.finished_at is not None:
+            self.v_e2e.observe(req.finished_at - req.submitted)
+        times = getattr(req, "block_times", ())  # one entry per committed block of tokens
+        for a, b in zip(times, times[1:]):
+            self.v_itl.observe(b - a)
+            self.v_itl_old.observe(b - a)
+        sizes = st.tree_sizes  # nodes verified per decoding step, root included
+        self.v_drafts.inc(sum(1 for n in sizes if n > 1))
+        self.v_draft_tokens.inc(sum(n - 1 for n in sizes))
+        self.v_accepted.inc(sum(st.accept_lengths))
 
     def refused(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, f"http_{status}").inc()

@@ -11,17 +11,52 @@ gets silently different behaviour from what it asked for. goose's own request fi
 - ``top_k``: as in vLLM.
 - ``cache_salt``: as in vLLM: requests share stored prompt prefixes only with requests of the same salt (and
   the same API key and ``user``; docs/serving.md, "Tenants").
+
+Extension fields of vLLM's API that vLLM-compatible clients and benchmark tools send, accepted where goose
+honours them exactly (docs/serving.md, "vLLM-compatible clients and dashboards"):
+
+- ``ignore_eos: true``: the model's stop tokens do not end the request; it ends at ``max_tokens`` (or a
+  stop string). Greedy output is still the plain greedy continuation, token for token.
+- ``min_tokens``: 0, or (exactly honoured) with ``ignore_eos: true``, no ``stop`` strings and an explicit
+  ``max_tokens`` >= ``min_tokens``, where every request generates exactly ``max_tokens`` tokens. vLLM
+  honours it otherwise by masking the stop tokens' logits, which changes the greedy continuation; goose
+  refuses that (400) rather than decode something else.
+- Fields whose only accepted value is the one that changes nothing (`NEUTRAL`): ``min_p`` 0,
+  ``repetition_penalty`` 1, ``stop_token_ids`` empty, ``skip_special_tokens`` true,
+  ``spaces_between_special_tokens`` true, ``include_stop_str_in_output`` false, ``priority`` 0,
+  ``use_beam_search`` false, ``truncate_prompt_tokens`` null, ``prompt_logprobs`` null, ``tools`` empty,
+  ``tool_choice`` "none" / "auto" (without tools), ``response_format`` text, ``parallel_tool_calls`` any;
+  chat: ``add_generation_prompt`` true, ``continue_final_message`` false, ``echo`` false,
+  ``chat_template_kwargs`` empty; completions: ``add_special_tokens`` true.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+import json
+
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import GooseError
 
 _STRICT = ConfigDict(extra="forbid")
+
+# field -> the values accepted (those that change nothing); anything else is refused with a 400 naming it
+NEUTRAL: dict[str, tuple] = {
+    "min_p": (0,), "repetition_penalty": (1,), "stop_token_ids": ([],), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "include_stop_str_in_output": (False,), "priority": (0,),
+    "use_beam_search": (False,), "tools": ([],), "tool_choice": ("none", "auto"),
+    "response_format": ({"type": "text"},), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "echo": (False,), "chat_template_kwargs": ({},), "add_special_tokens": (True,),
+}
+
+
+def _same(value, neutral) -> bool:
+    """`value` is `neutral` (numbers by value, 1 == 1.0; a bool only equals a bool)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return value == neutral
 
 
 class StreamOptions(BaseModel):
@@ -72,6 +107,24 @@ class _Sampling(BaseModel):
     # goose extensions
     speculative: str | None = None
     sources: bool | None = False
+    # vLLM extensions (see the module doc)
+    ignore_eos: bool | None = False
+    min_tokens: int | None = Field(default=None, ge=0)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int | None = None
+    use_beam_search: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    # OpenAI fields that only matter with tools or structured output
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -96,16 +149,33 @@ class _Sampling(BaseModel):
             return "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options is only allowed with stream: true"
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            return "stream_options.continuous_usage_stats is not supported (usage comes in the last chunk)"
+        for name in ("truncate_prompt_tokens", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                return f"{name} is not supported (only null is accepted)"
+        for name, ok in NEUTRAL.items():
+            value = getattr(self, name, None)
+            if value is not None and not any(_same(value, v) for v in ok):
+                allowed = " or ".join(json.dumps(v) for v in ok)
+                return f"{name} is not supported: only {allowed} (the value that changes nothing) is accepted"
+        if self.min_tokens:
+            if not self.ignore_eos or self.stop:
+                return ("min_tokens > 0 needs ignore_eos: true and no stop strings (then every request generates "
+                        "exactly max_tokens tokens); goose does not mask stop tokens, which would change the output")
+            if self.max_new() is None or self.max_new() < self.min_tokens:
+                return "min_tokens needs an explicit max_tokens of at least min_tokens"
         return None
 
     def engine_options(self) -> dict:
         """DecodeConfig sampling fields. Temperature 0 is greedy; no temperature means 1.0 (OpenAI's default)."""
         temperature = 1.0 if self.temperature is None else self.temperature
+        stops = {"eos": []} if self.ignore_eos else {}  # Engine.submit's stop token ids: none
         if temperature == 0:
-            return {}
+            return stops
         top_k = None if self.top_k in (None, -1, 0) else self.top_k
         return {"do_sample": True, "temperature": temperature, "top_k": top_k, "top_p": self.top_p,
-                "seed": self.seed}
+                "seed": self.seed, **stops}
 
     def method(self, methods) -> str | None:
         """The engine method of `speculative` (None: the server's default)."""
@@ -124,6 +194,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # vLLM extensions with a neutral value only (NEUTRAL)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    echo: bool | None = None
+    chat_template_kwargs: dict | None = None
 
     def unsupported(self) -> str | None:
         if self.logprobs or self.top_logprobs:
@@ -140,6 +215,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool | None = None  # vLLM: true only (NEUTRAL)
 
     def unsupported(self) -> str | None:
         if self.echo:
