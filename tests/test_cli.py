@@ -160,7 +160,7 @@ def test_packaged_gguf_that_fails_to_assemble(monkeypatch, tmp_path, capsys):
 
 def test_profile_prints_the_curve_and_the_kernels(tiny_dir, capsys, tmp_path, monkeypatch):
     from goose.backends import cpukernel
-    from goose.selection import costmodel
+    from goose.engine import measure as costmodel
 
     monkeypatch.setattr(costmodel, "cache_root", lambda: tmp_path / "cache")  # measured here, not read from a cache
     monkeypatch.setattr(costmodel, "MAX_SPREAD", float("inf"))  # cached even when the machine is busy

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from .. import cachefs
-from ..cliargs import add_model_args, add_sampling_args, positive_int, sampling_options
+from ..cliargs import add_model_args, add_sampling_args, positive_int, prefix_cache_mb, sampling_options
 from ..engine.prefix import DEFAULT_PREFIX_CACHE_MB
 from ..errors import GooseError
 from ..loading.model import DEFAULT_MODEL
@@ -136,8 +136,6 @@ def run_concurrency(args, questions: list) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     methods = list(dict.fromkeys(args.methods + ["ar"]))  # in the order given (ar last unless named)
-    if not args.prefix_cache_mb >= 0:
-        raise GooseError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
     path = run(model, tok, questions, methods, args.max_new_tokens, args.concurrency or 1, args.rate, args.chat,
                Path(args.out), sampling_options(args), prefix_cache_mb=args.prefix_cache_mb)
@@ -214,7 +212,7 @@ def register(sub) -> None:
                         "tokens/s, TTFT and TPOT percentiles, lossless column); writes OUT/concurrency.md")
     b.add_argument("--rate", type=float,
                    help="with --concurrency: Poisson arrivals of R requests per second (default: all at once)")
-    b.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+    b.add_argument("--prefix-cache-mb", type=prefix_cache_mb, default=DEFAULT_PREFIX_CACHE_MB,
                    help="with --concurrency: the engine's prefix cache (Engine(prefix_cache_mb=...); 0 = off; "
                         f"default {DEFAULT_PREFIX_CACHE_MB})")
     _common(b, 256, "runs/bench", DEFAULT_METHODS)
