@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
-from goose import Engine, load_model
+from goose import Engine, EngineConfig, load_model
 from goose.bench import datasets
 from goose.bench.concurrency import cpu_name
-from goose.config import EngineConfig
 from goose.decoding import encode
 
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"

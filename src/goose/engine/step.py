@@ -33,8 +33,7 @@ from ..backends.tree_tensors import ancestor_mask, is_chain, tree_depths
 from ..config import DecodeConfig, EngineConfig
 from ..drafting.tree import ROOT, DraftTree, WalkResult
 from ..errors import GooseError
-from ..protocols import Segment
-from ..protocols import CostModel, Forward, KVCache
+from ..protocols import CostModel, Forward, KVCache, Segment
 from ..selection.selector import Candidates, allocate
 from .sampling import Chooser
 from .stats import Stats
