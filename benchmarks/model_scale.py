@@ -22,7 +22,7 @@ than the published models whose embedding is tied:
 
 Measured: (a) the cost curve, median ms of one `LeanForward` call of N query tokens (a draft-shaped tree
 of N nodes, N in ``--tokens``) on a KV cache of ``--prefix`` tokens, by goose's own cost measurement
-(`goose.selection.costmodel.measure`: one discarded warm-up pass, ``--repeats`` timed passes, medians made
+(`goose.engine.measure.measure`: one discarded warm-up pass, ``--repeats`` timed passes, medians made
 non-decreasing in N as the decoder's cost model keeps them).
 
 Projected: (b) goose's speed-up over plain decoding on that curve, ``max over n of (1 + E[accepted](n)) /
@@ -67,7 +67,7 @@ from goose.backends.packed import PackedEmbedding, PackedLinear
 from goose.backends.quant import QuantKernels
 from goose.bench.concurrency import cpu_name
 from goose.errors import GooseError
-from goose.selection import costmodel
+from goose.engine import measure as costmodel
 from goose.selection.costmodel import CostCurve
 
 

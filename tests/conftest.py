@@ -104,7 +104,7 @@ def _threads(request):
 @pytest.fixture(autouse=True, scope="session")
 def _cost_curves_in_tmp(tmp_path_factory):
     """Cost curves the tests measure (tiny random models) go to a temporary folder, not the user's cache."""
-    from goose.selection import costmodel
+    from goose.engine import measure as costmodel
 
     root = tmp_path_factory.mktemp("goose-cache")
     with pytest.MonkeyPatch.context() as mp:

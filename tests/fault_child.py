@@ -48,7 +48,7 @@ def main(argv: list[str]) -> None:
 
         from conftest import make_tiny_llama
         from goose.decoding import default_forward
-        from goose.selection.costmodel import load_or_measure
+        from goose.engine.measure import load_or_measure
 
         torch.set_num_threads(1)
         model = make_tiny_llama(dtype=torch.float32)

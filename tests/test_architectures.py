@@ -99,7 +99,7 @@ def test_tree_logits_equal_plain_forward_over_each_path(arch):
         fwd(prompt)
         for step in range(3):  # trees on top of compacted caches; depths reach past the window
             tree = deep_tree(rng, 24)
-            logits = fwd(tree.tokens, tree_depths(tree), ancestor_mask(tree))
+            logits = fwd(tree.tokens, tree_depths(tree.topology()), ancestor_mask(tree.topology()))
             for i in range(len(tree)):
                 path = [tree.tokens[j] for j in tree.path_to(i)]
                 ref = model(torch.tensor([committed + path])).logits[0, -1]

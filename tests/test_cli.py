@@ -160,7 +160,7 @@ def test_packaged_gguf_that_fails_to_assemble(monkeypatch, tmp_path, capsys):
 
 def test_profile_prints_the_curve_and_the_kernels(tiny_dir, capsys, tmp_path, monkeypatch):
     from goose.backends import cpukernel
-    from goose.selection import costmodel
+    from goose.engine import measure as costmodel
 
     monkeypatch.setattr(costmodel, "cache_root", lambda: tmp_path / "cache")  # measured here, not read from a cache
     monkeypatch.setattr(costmodel, "MAX_SPREAD", float("inf"))  # cached even when the machine is busy
@@ -294,13 +294,14 @@ def test_light_names_match_the_engine():
     """The command line's copies of names (checked without importing the engine) equal the engine's."""
     from goose import cliargs
     from goose.engine.methods import METHODS
-    from goose.engine.prefix import DEFAULT_PREFIX_CACHE_MB
+    from goose.config import DEFAULT_PREFIX_CACHE_MB, EngineConfig
 
     assert cliargs.METHODS == METHODS
+    assert EngineConfig().prefix_cache_mb == DEFAULT_PREFIX_CACHE_MB
     from goose.cli import build_parser
 
     bench = build_parser()._subparsers._group_actions[0].choices["bench"]
-    assert f"default: the Engine's default, {DEFAULT_PREFIX_CACHE_MB})" in " ".join(bench.format_help().split())
+    assert f"default {DEFAULT_PREFIX_CACHE_MB})" in " ".join(bench.format_help().split())
 
 
 def test_registered_table_lists_what_each_module_registers():

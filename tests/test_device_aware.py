@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 
 from conftest import hf_greedy, make_tiny_llama
 from goose.backends.forward import HFForward
-from goose.config import AcceptanceConfig
+from goose.config import AcceptanceConfig, EngineConfig
 from goose.drafting.tree import BRANCH, SPINE, DraftTree
-from goose.engine.step import WORTH_MARGIN
 from goose.engine.verify import WalkResult
-from goose.selection import costmodel
+from goose.engine import measure as costmodel
 from goose.selection.acceptance import CONSENSUS, SHORT, AcceptanceModel
-from goose.selection.costmodel import BatchCostCurve, CostCurve, load_or_measure, measure, monotone
+from goose.engine.measure import load_or_measure, measure
+from goose.selection.costmodel import BatchCostCurve, CostCurve, monotone
 from goose.selection.selector import path_probs, select
 
 
@@ -249,7 +249,7 @@ def test_candidates_skip_the_tree_below_min_prob(tiny_model):
     # the threshold: tokens per ms of a plain step times a row's marginal cost, 0 without a curve
     cost = BatchCostCurve.single(CostCurve((1, 4, 16), (10.0, 12.0, 20.0)))
     assert _worth(None, 1, 1, 1.0) == 0.0
-    assert _worth(cost, 1, 1, 1.0) == pytest.approx(WORTH_MARGIN * 1.0 * (cost(1, 5) - 10.0) / 4 / 10.0)
+    assert _worth(cost, 1, 1, 1.0) == pytest.approx(EngineConfig().worth_margin * 1.0 * (cost(1, 5) - 10.0) / 4 / 10.0)
     assert _worth(cost, 1, 14, 1.0) == 0.0  # past the curve: never skip
 
 
@@ -265,7 +265,10 @@ def test_depth_bucket_is_the_first_edge_at_or_above(depth, edges):
 def test_candidate_budget_shrinks_with_the_probability_a_node_must_reach(tiny_model):
     """Under load (a high `min_prob`) the candidate tree is cut to the nodes that could pay: at most
     1 / min_prob per depth for LOAD_DEPTHS depths; with no threshold it is the full tree."""
-    from goose.engine.methods import LOAD_DEPTHS, LOAD_MIN_BUDGET, load_budget, make_method
+    from goose.config import DeviceAwareConfig
+    from goose.engine.methods import load_budget, make_method
+
+    LOAD_DEPTHS, LOAD_MIN_BUDGET = DeviceAwareConfig().load_depths, DeviceAwareConfig().load_min_budget
 
     assert load_budget(0.0) is None
     assert load_budget(0.25) == max(LOAD_MIN_BUDGET, 1 + LOAD_DEPTHS * 4) and load_budget(0.9) == LOAD_MIN_BUDGET

@@ -37,7 +37,7 @@ def test_tree_logits_equal_plain_forward_over_each_path(tiny_model, seed):
         fwd.reset()
         fwd(prompt)
         tree = random_tree(rng, rng.randrange(2, 25))
-        logits = fwd(tree.tokens, tree_depths(tree), ancestor_mask(tree))
+        logits = fwd(tree.tokens, tree_depths(tree.topology()), ancestor_mask(tree.topology()))
         for i in range(len(tree)):
             path = [tree.tokens[j] for j in tree.path_to(i)]
             ref = tiny_model(torch.tensor([prompt + path])).logits[0, -1]
@@ -55,7 +55,7 @@ def test_compacted_kv_equals_fresh_prefill(tiny_model, seed):
         committed = list(prompt)
         for _ in range(3):  # several steps, so compaction happens on top of compaction
             tree = random_tree(rng, rng.randrange(2, 20))
-            fwd(tree.tokens, tree_depths(tree), ancestor_mask(tree))
+            fwd(tree.tokens, tree_depths(tree.topology()), ancestor_mask(tree.topology()))
             path = tree.path_to(rng.randrange(len(tree)))
             fwd.keep(path)
             committed += [tree.tokens[j] for j in path]

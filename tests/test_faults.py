@@ -290,8 +290,9 @@ def test_rebuild_keeps_a_mapped_store_readable(saved_store):
 def test_kill_during_cost_curve_measurement_then_rerun(tmp_path, monkeypatch):
     from conftest import make_tiny_llama
     from goose.decoding import default_forward
-    from goose.selection import costmodel
-    from goose.selection.costmodel import CostCurve, load_or_measure
+    from goose.engine import measure as costmodel
+    from goose.engine.measure import load_or_measure
+    from goose.selection.costmodel import CostCurve
 
     monkeypatch.setattr(costmodel, "MAX_SPREAD", float("inf"))  # cached even when the machine is busy
     curve_file = tmp_path / "cost" / "tiny.json"

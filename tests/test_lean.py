@@ -223,7 +223,7 @@ def test_tree_node_logits_are_the_plain_steps_bits_float32(llama32, seed, n, pre
 def play_segments(fwd, seed: int, steps: int = 6) -> list[torch.Tensor]:
     """Random multi-sequence forwards (`LeanForward.run`): 1-4 sequences per call, each a causal run or a tree on
     its own cache, a random path kept after each call; returns every call's logits."""
-    from goose.backends.lean import Segment
+    from goose.protocols import Segment
 
     rng = random.Random(seed)
     caches = [fwd.new_cache() for _ in range(4)]
@@ -433,5 +433,5 @@ def test_decoder_sizes_each_request_cache_for_prompt_and_max_new_tokens(monkeypa
     model = tiny_llama(torch.float32, seed=3)
     prompt = [5, 6, 7, 8, 9]
     out = Decoder(model, method="ar", forward=LeanForward(model)).generate(prompt, max_new_tokens=7).token_ids
-    assert seen == [len(prompt) + 7 + step_mod.TREE_ROOM]
+    assert seen == [len(prompt) + 7 + step_mod.DEFAULTS.tree_room]
     assert out == hf_greedy(model, prompt, 7)

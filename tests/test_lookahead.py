@@ -49,10 +49,10 @@ def test_window_rides_on_the_tree_as_extra_nodes():
     # level 0: a chain off the root; level 1, column j: under level 0, column j
     assert tree.all_tokens == [5, 6, 7, 8, 20, 21, 22, 30, 31, 32]
     assert tree.extra_parents == [0, 4, 5, 4, 5, 6]
-    assert tree_depths(tree).tolist() == [0, 1, 2, 2, 1, 2, 3, 2, 3, 4]
-    allowed = ancestor_mask(tree)
+    assert tree_depths(tree.topology()).tolist() == [0, 1, 2, 2, 1, 2, 3, 2, 3, 4]
+    allowed = ancestor_mask(tree.topology())
     assert allowed[8].nonzero().flatten().tolist() == [0, 4, 5, 8]  # root, (0,0), (0,1), itself
-    assert not is_chain(tree) and len(tree) == 4
+    assert not is_chain(tree.topology()) and len(tree) == 4
     # the walk never enters the window even when the target predicts its tokens
     pred = [20] * 10
     assert greedy_walk(tree, pred).path == [0]
@@ -89,7 +89,7 @@ def test_lookahead_step_logits_equal_plain_forward_over_each_path(tiny_model, se
     with torch.inference_mode():
         fwd.reset()
         fwd(prompt)
-        logits = fwd(tree.all_tokens, tree_depths(tree), ancestor_mask(tree))
+        logits = fwd(tree.all_tokens, tree_depths(tree.topology()), ancestor_mask(tree.topology()))
         for i in range(len(parents)):
             path, node = [], i
             while node >= 0:

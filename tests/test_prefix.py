@@ -32,7 +32,7 @@ def model32():
 def _filled_cache(fwd, tokens):
     cache = fwd.new_cache()
     cache.reset()
-    from goose.backends.lean import Segment
+    from goose.protocols import Segment
 
     with torch.inference_mode():
         fwd.run([Segment(cache, tokens)])

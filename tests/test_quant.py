@@ -11,6 +11,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from goose.backends import cpukernel, packed, quant
+from goose.loading import gguf as gguf_file
 from goose.backends.lean import LeanForward
 from goose.errors import GooseError
 from goose.loading.model import gguf_source
@@ -210,16 +211,16 @@ def test_fusing_keeps_one_copy():
 
 def test_unknown_weights_kind_is_refused():
     with pytest.raises(GooseError):
-        quant.load_gguf_model(None, gguf_source("smollm2-135m"), "int4", torch.float32, torch.device("cpu"), "sdpa")
+        gguf_file.load_gguf_model(None, gguf_source("smollm2-135m"), "int4", torch.float32, torch.device("cpu"), "sdpa")
 
 
 def test_explicit_gguf_needs_a_gguf_source(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(GooseError, match="GGUF"):
-        quant.load_gguf_model(tmp_path, gguf_source(str(tmp_path)), "gguf", torch.float32, torch.device("cpu"), "sdpa")
+        gguf_file.load_gguf_model(tmp_path, gguf_source(str(tmp_path)), "gguf", torch.float32, torch.device("cpu"), "sdpa")
     with pytest.raises(GooseError, match="float32 on the CPU"):
-        quant.load_gguf_model(tmp_path, gguf_source("smollm2-135m"), "gguf", torch.float64, torch.device("cpu"), "sdpa")
-    assert quant.load_gguf_model(tmp_path, gguf_source(str(tmp_path)), None, torch.float32, torch.device("cpu"),
+        gguf_file.load_gguf_model(tmp_path, gguf_source("smollm2-135m"), "gguf", torch.float64, torch.device("cpu"), "sdpa")
+    assert gguf_file.load_gguf_model(tmp_path, gguf_source(str(tmp_path)), None, torch.float32, torch.device("cpu"),
                                  "sdpa") is None
 
 
@@ -227,7 +228,7 @@ def test_truncated_gguf_file_is_a_one_line_error(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 10)
     with pytest.raises(GooseError, match="cannot read GGUF"):
-        quant.use_gguf_weights(None, bad)
+        gguf_file.use_gguf_weights(None, bad)
 
 
 # ---- the packaged SmolLM2 (Q4_1 blocks, Q8_0 embedding / tied head) ---------------------------------------
@@ -314,15 +315,15 @@ def test_gguf_reader_reads_what_gguf_writes_and_refuses_truncation(tmp_path, fmt
     raw = random_blocks(fmt, 16, 256, rng)
     path = tmp_path / "m.gguf"
     _write_gguf(path, raw, fmt, 256)
-    meta, tensors = quant.read_gguf(path)
+    meta, tensors = gguf_file.read_gguf(path)
     t = tensors["blk.0.attn_q.weight"]
     assert meta["general.architecture"] == "llama" and t.type == fmt and t.shape == [256, 16]
-    assert np.array_equal(quant.tensor_bytes(path, t, 16), raw)
+    assert np.array_equal(gguf_file.tensor_bytes(path, t, 16), raw)
     data = path.read_bytes()
     for cut in (len(data) - 1, len(data) // 2, 40, 10):  # truncated anywhere: a one-line error
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
         with pytest.raises(GooseError, match="cannot read GGUF"):
-            quant.read_gguf(tmp_path / "cut.gguf")
+            gguf_file.read_gguf(tmp_path / "cut.gguf")
     (tmp_path / "bad.gguf").write_bytes(b"GGUX" + data[4:])
     with pytest.raises(GooseError, match="magic"):
-        quant.read_gguf(tmp_path / "bad.gguf")
+        gguf_file.read_gguf(tmp_path / "bad.gguf")

@@ -72,7 +72,7 @@ def test_bypass_chain_at_full_confidence():
     chain = list(range(100, 199))
     tree = build_spine_tree(5, 4, chain, 1.0, 0.5, adj, GooseConfig())
     assert tree.count(SPINE) == 99 and tree.count(BRANCH) == 0 and len(tree) == 100
-    assert is_chain(tree)
+    assert is_chain(tree.topology())
 
 
 def test_branches_skip_next_spine_token_and_respect_depth_cap():
@@ -137,7 +137,7 @@ def test_isotropic_tree_width_and_depth():
 def test_chain_builder():
     assert build_chain(7, []).route == "ar"
     t = build_chain(7, [1, 2, 3])
-    assert t.tokens == [7, 1, 2, 3] and t.parents == [-1, 0, 1, 2] and is_chain(t)
+    assert t.tokens == [7, 1, 2, 3] and t.parents == [-1, 0, 1, 2] and is_chain(t.topology())
 
 
 def drawn_tree():
@@ -152,22 +152,22 @@ def drawn_tree():
 
 def test_mask_and_positions_on_drawn_tree():
     t = drawn_tree()
-    allowed = ancestor_mask(t)
+    allowed = ancestor_mask(t.topology())
     expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 1, 0, 0, 1]],
                           dtype=torch.bool)
     assert torch.equal(allowed, expect)
-    assert tree_depths(t).tolist() == [0, 1, 2, 1, 2]
+    assert tree_depths(t.topology()).tolist() == [0, 1, 2, 1, 2]
     m = additive_mask(allowed, 3, torch.float32)
     assert m.shape == (1, 1, 5, 8)
     assert torch.all(m[0, 0, :, :3] == 0)
     low = torch.finfo(torch.float32).min
     assert torch.equal(m[0, 0, :, 3:] == 0, expect) and torch.all(m[0, 0, :, 3:][~expect] == low)
-    assert not is_chain(t)
+    assert not is_chain(t.topology())
 
 
 def test_sliding_window_mask_hides_what_lies_beyond_the_window_from_each_node():
     t = drawn_tree()  # depths [0, 1, 2, 1, 2]; after 3 prefix tokens the nodes sit at positions 3 4 5 4 5
-    allowed, depths = ancestor_mask(t), tree_depths(t)
+    allowed, depths = ancestor_mask(t.topology()), tree_depths(t.topology())
     m = additive_mask(allowed, 3, torch.float64, depths=depths, window=2) == 0  # [1, 1, 5, 8] -> seen
     # window 2: a node at position q sees positions q - 1 and q, among the prefix and its ancestors
     expect = torch.tensor([[0, 0, 1, 1, 0, 0, 0, 0],   # node 0 (pos 3): prefix 2, itself

@@ -10,7 +10,7 @@ import importlib
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "DecodeConfig": ".config", "GooseConfig": ".config",
+    "DecodeConfig": ".config", "EngineConfig": ".config", "GooseConfig": ".config",
     "Decoder": ".decoding", "GenerationResult": ".decoding", "generate": ".decoding",
     "METHODS": ".engine.methods",
     "Engine": ".engine.scheduler", "Request": ".engine.scheduler",
@@ -19,8 +19,8 @@ _EXPORTS = {
     "DEFAULT_MODEL": ".loading.packaged", "load_model": ".loading.model",
 }
 
-__all__ = ["Decoder", "Engine", "Request", "GenerationResult", "generate", "GooseConfig", "DecodeConfig", "GooseError",
-           "METHODS", "DEFAULT_MODEL", "load_model", "custom_generate", "HUB_ENTRY"]
+__all__ = ["Decoder", "Engine", "Request", "GenerationResult", "generate", "GooseConfig", "DecodeConfig",
+           "EngineConfig", "GooseError", "METHODS", "DEFAULT_MODEL", "load_model", "custom_generate", "HUB_ENTRY"]
 __version__ = "0.1.0"
 
 

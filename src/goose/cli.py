@@ -110,15 +110,15 @@ class _Parser(argparse.ArgumentParser):
 
 def cmd_profile(args) -> int:
     from .backends import cpukernel
+    from .engine.measure import load_or_measure
     from .decoding import default_forward
     from .loading.model import load_model
-    from .selection.costmodel import load_or_measure
 
     model, _ = load_model(args.model, args.dtype, args.device, weights=args.weights)
     fwd = default_forward(model)
     curve = load_or_measure(model, fwd, remeasure=args.remeasure)
     why = cpukernel.unavailable_reason()
-    kernels = getattr(fwd, "backend", "?") + ("" if why is None else f"; goose's CPU kernel unavailable: {why}")
+    kernels = fwd.backend + ("" if why is None else f"; goose's CPU kernel unavailable: {why}")
     print(f"forward cost of {args.model} ({args.dtype}, {args.device}, {type(fwd).__name__}, kernels: {kernels})")
     print(f"{'tokens':>6} {'ms':>9} {'x cost(1)':>10} {'break-even accepted':>20}")
     for n, ms in zip(curve.sizes, curve.ms):

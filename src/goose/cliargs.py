@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import DecodeConfig
+from .config import DecodeConfig, EngineConfig
 from .errors import GooseError
 from .loading.packaged import DEFAULT_MODEL, PACKAGED
 
@@ -51,6 +51,17 @@ def method_name(text: str) -> str:
     if text not in METHODS:
         raise argparse.ArgumentTypeError(f"unknown method '{text}'; choose one of: {', '.join(METHODS)}")
     return text
+
+
+def prefix_cache_mb(text: str) -> float:
+    """``--prefix-cache-mb``: MiB for the engine's prefix cache, checked where every engine setting is
+    (`EngineConfig`)."""
+    try:
+        return EngineConfig(prefix_cache_mb=float(text)).prefix_cache_mb
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{text}'") from None
+    except GooseError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def non_negative_float(text: str) -> float:

@@ -168,6 +168,15 @@ class DeviceAwareConfig:
     # same for 0, 64 and all, and 0 was 3-5% faster, so goose harvests from verification steps only.
     prefill_harvest: int | None = 0
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
+    # under load (a node must reach path probability p to pay for its row) the candidate tree is cut to what
+    # could pay: at most 1 / p branch nodes per depth for this many depths, and never fewer nodes than
+    # `load_min_budget` (`goose.engine.methods.load_budget`)
+    load_depths: int = 4
+    load_min_budget: int = 8
+
+    def __post_init__(self) -> None:
+        if self.load_depths < 1 or self.load_min_budget < 1:
+            raise GooseError("load_depths and load_min_budget must be >= 1")
 
 @dataclass(frozen=True)
 class GooseConfig:
@@ -214,3 +223,81 @@ class DecodeConfig:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**64):
             raise GooseError(f"seed must be an integer in 0..2^64-1, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    """Defaults of `goose.integrations.vllm.GooseProposer` (vLLM gives custom proposers no options: subclass to
+    change them)."""
+
+    ngram: NgramConfig = field(default_factory=lambda: NgramConfig(ngram_sizes=(5, 4, 3, 2)))
+    # P(token accepted | previous accepted) before any observation, by match kind: consensus, long (>= 8
+    # tokens), short, and a match in earlier requests' contexts
+    prior: tuple[float, float, float, float] = (0.8, 0.6, 0.4, 0.5)
+    prior_strength: float = 4.0  # pseudo-trials behind each prior
+    weak_ngram: int = 2  # matches of this n or shorter get the short prior whatever their length
+    max_prob: float = 0.98
+    # verify cost: C(T) = 1 + slope * T in units of a one-token step; slope starts at the prior and is
+    # fitted online from step times once `cost_min_samples` clean steps with different T were seen
+    cost_prior_slope: float = 0.03
+    cost_prior_weight: float = 32.0  # pseudo-samples behind the prior slope
+    cost_window: int = 512  # recent (T, seconds) samples kept for the fit
+    cost_min_samples: int = 16
+    cost_outlier: float = 4.0  # a step slower than this many times the prediction is not a sample
+    cost_min_slope: float = 0.005  # a verified token is never free (noise can fit a flat line)
+    min_prob: float = 0.02  # never draft a token below this path probability
+    state_ttl: int = 64  # steps a request's state survives without being seen
+    # contexts of requests that left the batch, searched when a request's own context matches less of its
+    # suffix (repeated and similar requests); at most this many tokens (the oldest half is dropped); 0: off
+    memory_tokens: int = 1 << 20
+    head: int = 16  # leading tokens that identify a request's context
+
+
+DEFAULT_PREFIX_CACHE_MB = 256  # Engine(prefix_cache_mb=...), goose serve / bench --prefix-cache-mb
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of the step loop and of the `Engine` that runs it, checked once here.
+
+    `max_batch`: requests decoded together (more wait in a FIFO queue). `max_queue`: waiting requests beyond
+    which `submit` raises (None: unbounded). `prefill_chunk`: prompt tokens all prefilling requests may add in
+    one step (None: each request's own ``prefill_chunk``). `prefix_cache_mb`: MiB for reused prompt prefixes
+    (0: off). The rest tune speed only, never the tokens."""
+
+    max_batch: int = 8
+    max_queue: int | None = None
+    prefill_chunk: int | None = None
+    prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
+    # a request's candidate tree is built when its best child may bring this many times a row's price:
+    # building, pricing and harvesting a tree costs Python time that the cost curve does not price
+    worth_margin: float = 1.5
+    worth_rows: int = 4  # the marginal cost of a draft row is averaged over this many rows (the curve has flat steps)
+    tree_room: int = 160  # cache entries reserved beyond prompt + max_new_tokens for a step's tree (more still fit)
+    weights_check_steps: int = 8  # steps between weights checks while no request joins or finishes
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_batch) or self.max_batch < 1:
+            raise GooseError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_queue is not None and (not _is_int(self.max_queue) or self.max_queue < 0):
+            raise GooseError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.prefill_chunk is not None and (not _is_int(self.prefill_chunk) or self.prefill_chunk < 1):
+            raise GooseError(f"prefill_chunk must be >= 1 (or None: each request's own), got {self.prefill_chunk}")
+        if isinstance(self.prefix_cache_mb, bool) or not isinstance(self.prefix_cache_mb, (int, float)) \
+                or not 0 <= self.prefix_cache_mb < float("inf"):
+            raise GooseError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
+        if not 0 <= self.worth_margin < float("inf"):
+            raise GooseError(f"worth_margin must be >= 0, got {self.worth_margin}")
+        for name in ("worth_rows", "weights_check_steps"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise GooseError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        if not _is_int(self.tree_room) or self.tree_room < 0:
+            raise GooseError(f"tree_room must be an integer >= 0, got {self.tree_room}")
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return int(self.prefix_cache_mb * 2**20)

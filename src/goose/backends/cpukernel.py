@@ -604,3 +604,13 @@ def attention_reason(head_dim: int, dtype: torch.dtype) -> str | None:
     if head_dim % 8 or head_dim < 8:
         return f"head dim {head_dim} is not a multiple of 8"
     return None
+
+
+def topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, ids)`` ``[n, k]`` of each row of ``logits [n, V]``: goose's kernel (one vectorized pass per
+    row) for float32 CPU rows of unit stride, else ``torch.topk``."""
+    kern = kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if kern is not None and logits.stride(-1) == 1:
+        return kern.topk(logits, k)
+    return torch.topk(logits.float(), k, dim=-1)
+

@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import GooseError
+from ..protocols import Forward, KVCache
 from .kv_cache import cache_length, keep_path
 from .packed import PackedWeight
 from .tree_tensors import additive_mask
@@ -130,7 +131,7 @@ class _KernelLinears:
                     m.forward = old
 
 
-class HFForward:
+class HFForward(Forward):
     """Generic forward over a Hugging Face model and its DynamicCache."""
 
     def __init__(self, model, *, kernel: bool | None = None) -> None:
@@ -205,7 +206,7 @@ class HFForward:
         return self._one(self.cache, tokens, depths, allowed, keep_last)
 
     def run(self, segments) -> list[torch.Tensor]:
-        """Several sequences' forwards (`lean.Segment`s), one after another: a Hugging Face model takes one
+        """Several sequences' forwards (`goose.protocols.Segment`s), one after another: a Hugging Face model takes one
         cache per call, and padding a batch of trees would change nothing of what is computed per row."""
         if len({id(s.cache) for s in segments}) != len(segments):
             raise GooseError("a forward cannot append to one cache twice")
@@ -247,7 +248,7 @@ class HFForward:
         self.cache.keep(path)
 
 
-class HFCache:
+class HFCache(KVCache):
     """One sequence's Hugging Face cache (a bare `DynamicCache`, see the module docstring) and the length it
     had before the last forward."""
 

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GooseError
+from ..protocols import Forward, KVCache, Segment
 from . import cpukernel, int8
 from .cpukernel import CpuKernels
 from .forward import active_sliding_window, weights_fingerprint
@@ -245,7 +246,7 @@ class _Layer:
                             a.k_norm.weight.detach(), a.k_norm.variance_epsilon)
 
 
-class LeanForward:
+class LeanForward(Forward):
     """Fast forward for llama / mistral / qwen2 / qwen3 models with a static in-place KV cache (see module doc)."""
 
     def __init__(self, model, *, kernel: bool | None = None, attention_kernel: bool = True,
@@ -370,7 +371,7 @@ class LeanForward:
         return self.run([Segment(self.cache, tokens, depths, allowed, keep_last)])[0]
 
     @torch.inference_mode()
-    def run(self, segments: list["Segment"]) -> list[torch.Tensor]:
+    def run(self, segments: list[Segment]) -> list[torch.Tensor]:
         """One forward over several sequences, each appending its tokens to its own cache: the weight
         multiplies run once over all segments' rows (goose's kernels are row-independent, so every row's
         logits are bit-identical to a forward of its segment alone), attention runs per segment over its
@@ -441,7 +442,7 @@ class LeanForward:
                 a = torch.cat([att(li, qkv[r0:r1]) for att, (r0, r1, _) in zip(attends, spans)])  # [N, H*D]
             self._mlp(L, a, x)
 
-    def _torch_attention(self, seg: "Segment", cos: torch.Tensor, sin: torch.Tensor, p: int):
+    def _torch_attention(self, seg: Segment, cos: torch.Tensor, sin: torch.Tensor, p: int):
         """PyTorch's attention for one segment: a function (layer, qkv [n, (H + 2K) D]) -> [n, H D]."""
         H, K, D, G = self.n_heads, self.n_kv, self.head_dim, self.group
         n, total, dev, dt = len(seg.tokens), p + len(seg.tokens), self.device, self.dtype
@@ -488,18 +489,7 @@ class LeanForward:
         L.down(gu, gated=True, out=x)  # x += down(silu(gate) * up), in place
 
 
-class Segment:
-    """One sequence's part of a forward: `tokens` appended to `cache` as a causal run, or as a tree
-    (``allowed [n, n]`` ancestor mask and ``depths [n]``); only the last `keep_last` rows' logits when given."""
-
-    __slots__ = ("cache", "tokens", "depths", "allowed", "keep_last")
-
-    def __init__(self, cache, tokens: list[int], depths: torch.Tensor | None = None,
-                 allowed: torch.Tensor | None = None, keep_last: int | None = None) -> None:
-        self.cache, self.tokens, self.depths, self.allowed, self.keep_last = cache, tokens, depths, allowed, keep_last
-
-
-class LeanCache:
+class LeanCache(KVCache):
     """One sequence's static KV cache ``[layers, 2, K, capacity, D]``, written in place and grown by doubling.
 
     A forward appends n entries after the P cached ones; `keep(path)` keeps the prefix and the nodes `path`

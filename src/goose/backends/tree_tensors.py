@@ -23,7 +23,7 @@ root), 4 and 5 are level 1 (under columns 0 and 1 of level 0)::
                           4 [ 1 . 1 . 1 . ]       P + 2   level 1, column 0
                           5 [ 1 . 1 1 . 1 ]       P + 3   level 1, column 1
 
-Everything is cached by the parent tuple (`DraftTree.topology`), extras included. The model gets an
+Everything is cached by the parent tuple (a tree's `topology()`: plain data, so no tree type is needed here), extras included. The model gets an
 additive float mask: 0 where allowed, ``finfo(dtype).min`` elsewhere (a boolean mask is silently wrong
 under eager attention).
 
@@ -36,10 +36,9 @@ node 2 above (position P + 2) no longer sees the prefix nor node 0 (position P),
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Sequence
 
 import torch
-
-from ..drafting.tree import DraftTree
 
 
 @lru_cache(maxsize=512)
@@ -64,19 +63,20 @@ def parent_tensors(parents: list[int] | tuple[int, ...]) -> tuple[torch.Tensor, 
     return allowed, depths
 
 
-def ancestor_mask(tree: DraftTree) -> torch.Tensor:
-    """[n, n] bool: allowed[i, j] iff node j is node i or one of its ancestors."""
-    return _tree_tensors(tree.topology())[0]
+def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
+    """[n, n] bool: allowed[i, j] iff node j is node i or one of its ancestors (``parents``: a tree's
+    parent indices, root first with -1, e.g. `DraftTree.topology()`)."""
+    return _tree_tensors(tuple(parents))[0]
 
 
-def tree_depths(tree: DraftTree) -> torch.Tensor:
+def tree_depths(parents: Sequence[int]) -> torch.Tensor:
     """[n] long: depth of each node (root 0); position id of node i is P + depth[i]."""
-    return _tree_tensors(tree.topology())[1]
+    return _tree_tensors(tuple(parents))[1]
 
 
-def is_chain(tree: DraftTree) -> bool:
+def is_chain(parents: Sequence[int]) -> bool:
     """True when the tree is a single path (a plain causal mask suffices)."""
-    return _tree_tensors(tree.topology())[2]
+    return _tree_tensors(tuple(parents))[2]
 
 
 def additive_mask(allowed: torch.Tensor, prefix_len: int, dtype: torch.dtype,

@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from .. import cachefs
-from ..cliargs import add_model_args, add_sampling_args, non_negative_float, positive_int, sampling_options
+from ..cliargs import add_model_args, add_sampling_args, positive_int, prefix_cache_mb, sampling_options
+from ..config import DEFAULT_PREFIX_CACHE_MB
 from ..errors import GooseError
 from ..loading.packaged import DEFAULT_MODEL
 from . import datasets
@@ -137,10 +138,6 @@ def run_concurrency(args, questions: list) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     methods = list(dict.fromkeys(args.methods + ["ar"]))  # in the order given (ar last unless named)
-    if args.prefix_cache_mb is None:
-        from ..engine.prefix import DEFAULT_PREFIX_CACHE_MB
-
-        args.prefix_cache_mb = DEFAULT_PREFIX_CACHE_MB
     model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
     path = run(model, tok, questions, methods, args.max_new_tokens, args.concurrency or 1, args.rate, args.chat,
                Path(args.out), sampling_options(args), prefix_cache_mb=args.prefix_cache_mb)
@@ -241,9 +238,9 @@ def register(sub) -> None:
                         "tokens/s, TTFT and TPOT percentiles, lossless column); writes OUT/concurrency.md")
     b.add_argument("--rate", type=float,
                    help="with --concurrency: Poisson arrivals of R requests per second (default: all at once)")
-    b.add_argument("--prefix-cache-mb", type=non_negative_float, default=None,
-                   help="with --concurrency: the engine's prefix cache in MiB (Engine(prefix_cache_mb=...); 0 = off; "
-                        "default: the Engine's default, 256)")
+    b.add_argument("--prefix-cache-mb", type=prefix_cache_mb, default=DEFAULT_PREFIX_CACHE_MB,
+                   help="with --concurrency: the engine's prefix cache (Engine(prefix_cache_mb=...); 0 = off; "
+                        f"default {DEFAULT_PREFIX_CACHE_MB})")
     _common(b, 256, "runs/bench", DEFAULT_METHODS)
     b.set_defaults(func=cmd_bench)
 

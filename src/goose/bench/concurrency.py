@@ -21,7 +21,7 @@ from pathlib import Path
 from .. import cachefs
 from ..config import DecodeConfig
 from ..decoding import Decoder, encode
-from ..engine.prefix import DEFAULT_PREFIX_CACHE_MB
+from ..config import DEFAULT_PREFIX_CACHE_MB
 from ..engine.scheduler import Engine
 
 

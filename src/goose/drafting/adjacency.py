@@ -8,20 +8,27 @@ top-k of its logits overwrite row t (the last position wins on duplicates) and s
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..backends import cpukernel
 from ..config import AdjacencyConfig
 
 Successors = tuple[list[int], list[float]]
+TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]  # (logits [n, V], k) -> (values, ids) [n, k]
+
+
+def torch_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.topk(logits.float(), k, dim=-1)
 
 
 class AdjacencyTable:
-    def __init__(self, vocab_size: int, cfg: AdjacencyConfig = AdjacencyConfig()) -> None:
+    def __init__(self, vocab_size: int, cfg: AdjacencyConfig = AdjacencyConfig(), topk: TopK = torch_topk) -> None:
+        """`topk`: the row-wise top-k of a harvest's logits (the engine passes its kernel's,
+        `goose.backends.cpukernel.topk_rows`)."""
         self.cfg = cfg
+        self.topk = topk
         self.vocab_size = vocab_size
         self.k = k = min(cfg.top_k, vocab_size)  # a vocabulary smaller than top_k keeps every token
         self.ids = np.zeros((vocab_size, k), dtype=np.int64)  # [V, K]
@@ -53,11 +60,7 @@ class AdjacencyTable:
         if n == 0:
             return
         k = self.k
-        kern = cpukernel.kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-        if kern is not None and logits.stride(-1) == 1:
-            values, idx = kern.topk(logits, k)  # [n, K] each: one vectorized pass per row
-        else:
-            values, idx = torch.topk(logits.float(), k, dim=-1)
+        values, idx = self.topk(logits, k)  # [n, K] each
         values, ids = values.cpu(), idx.cpu().numpy()
         if self.cfg.with_scores:
             scores = torch.softmax(values, dim=-1).numpy()  # [n, K], over the K kept logits only

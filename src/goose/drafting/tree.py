@@ -133,3 +133,16 @@ class DraftTree:
         if max(self.depths + self.extra_depths) <= max_depth:
             return self
         return self.subtree([i for i, d in enumerate(self.depths) if d <= max(0, max_depth)])
+
+
+@dataclass(frozen=True)
+class WalkResult:
+    """What a verification walk accepted: plain data that selection and the engine both read."""
+
+    path: list[int]  # accepted node indices, root first
+    bonus: int  # the target's token after the last accepted node
+
+    @property
+    def accepted(self) -> int:
+        """Draft tokens accepted (the root is the already-committed anchor)."""
+        return len(self.path) - 1

@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import math
 
-from ..config import AdjacencyConfig, GooseConfig, IsotropicConfig, LookaheadConfig, PLDConfig, RestConfig, TRConfig
+from ..backends.cpukernel import topk_rows
+from ..config import (AdjacencyConfig, DeviceAwareConfig, GooseConfig, IsotropicConfig, LookaheadConfig, PLDConfig,
+                      RestConfig, TRConfig)
 from ..drafting.adjacency import AdjacencyTable
 from ..drafting.baselines import build_chain, build_isotropic_tree, build_tr_tree, build_trie
 from ..drafting.datastore import Datastore, check_tokenizer
@@ -21,8 +23,9 @@ from ..drafting.spine import build_spine_tree, tree_budget
 from ..drafting.tree import SPINE, DraftTree
 from ..errors import GooseError
 from ..selection.acceptance import SHORT, AcceptanceModel, match_kind
-from ..selection.costmodel import CostCurve, load_or_measure
+from ..selection.costmodel import CostCurve
 from ..selection.selector import Candidates, allocate
+from .measure import load_or_measure
 from .sampling import argmax_rows
 from .verify import WalkResult
 
@@ -30,6 +33,13 @@ from .verify import WalkResult
 class Method:
     name = "base"
     prefill_harvest: int | None = 0  # prompt positions (the last k) whose logits `harvest` reads; None: all
+    cost: CostCurve | None = None  # the device's cost curve, for a method that sizes its trees by it
+    offers_candidates = False  # True: the step loop asks `candidates` and selects the subtree itself
+
+    def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
+                   min_prob: float = 0.0) -> Candidates:
+        """A candidate tree and its nodes' path probabilities (only when `offers_candidates`)."""
+        raise NotImplementedError(f"method '{self.name}' drafts its own tree (see `draft`)")
 
     def start(self) -> None:
         """A new request begins: called before its prefill (whose logits `harvest` may read)."""
@@ -90,7 +100,7 @@ class _AdjacencyMethod(Method):
     prefill_harvest = None  # the adjacency table learns from every prompt position (spec §4)
 
     def __init__(self, vocab_size: int, adj_cfg: AdjacencyConfig) -> None:
-        self.adj = AdjacencyTable(vocab_size, adj_cfg)
+        self.adj = AdjacencyTable(vocab_size, adj_cfg, topk_rows)
 
     def start(self) -> None:
         if not self.adj.cfg.hot_start:  # before the prefill, so its harvest is kept
@@ -101,7 +111,7 @@ class _AdjacencyMethod(Method):
         arrival); with it, the table is shared by all requests, as across the requests of one decoder."""
         twin = super().fork()
         if not self.adj.cfg.hot_start:
-            twin.adj = AdjacencyTable(self.adj.vocab_size, self.adj.cfg)
+            twin.adj = AdjacencyTable(self.adj.vocab_size, self.adj.cfg, self.adj.topk)
         return twin
 
     def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
@@ -175,16 +185,14 @@ class Isotropic(GoosePaper):
         return build_isotropic_tree(anchor, prev, chain, budget, self.adj, self.iso)
 
 
-LOAD_DEPTHS = 4  # depths of nodes that can pay for their rows, for the candidate budget under load
-LOAD_MIN_BUDGET = 8  # never fewer candidate nodes than this
-
-
-def load_budget(min_prob: float, spine: int = 0) -> int | None:
+def load_budget(min_prob: float, spine: int = 0, cfg: DeviceAwareConfig = DeviceAwareConfig()) -> int | None:
     """The most candidate nodes worth building when a node must reach path probability `min_prob` to pay for
     its row and `spine` spine nodes can: one depth's path probabilities sum to at most 1, so at most
-    1 / min_prob branch nodes per depth can, for LOAD_DEPTHS depths (under load: a few nodes, not a full
-    tree). None: no cap."""
-    return None if min_prob <= 0 else max(LOAD_MIN_BUDGET, 1 + spine + math.ceil(LOAD_DEPTHS / min_prob))
+    1 / min_prob branch nodes per depth can, for `cfg.load_depths` depths (under load: a few nodes, not a full
+    tree), and never fewer than `cfg.load_min_budget`. None: no cap."""
+    if min_prob <= 0:
+        return None
+    return max(cfg.load_min_budget, 1 + spine + math.ceil(cfg.load_depths / min_prob))
 
 
 class DeviceAwareGoose(GoosePaper):
@@ -192,6 +200,7 @@ class DeviceAwareGoose(GoosePaper):
     tokens per millisecond under the device's measured cost curve (n = 1, a plain step, included)."""
 
     name = "goose"
+    offers_candidates = True
 
     def __init__(self, vocab_size: int, cfg: GooseConfig = GooseConfig(), cost: CostCurve | None = None) -> None:
         super().__init__(vocab_size, cfg)
@@ -235,7 +244,7 @@ class DeviceAwareGoose(GoosePaper):
         prop = self.index.propose_extended(self.cfg.ngram, first)
         reach = self.acc.spine_reach(self._kind, len(prop.chain), min_prob) if min_prob > 0 else 0
         cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg,
-                                cap=load_budget(min_prob, reach))
+                                cap=load_budget(min_prob, reach, self.cfg.device_aware))
         if max_depth is not None:
             cand = cand.within_depth(max_depth)
         if len(cand) == 1:

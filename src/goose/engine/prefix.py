@@ -32,8 +32,8 @@ import itertools
 
 import torch
 
+
 BLOCK = 8  # tokens per stored block
-DEFAULT_PREFIX_CACHE_MB = 256  # Engine(prefix_cache_mb=...), goose serve / bench --prefix-cache-mb
 
 
 class _Node:
@@ -61,7 +61,7 @@ class PrefixCache:
     def supports(forward) -> bool:
         """True when `forward` computes every cache entry independently of how the sequence was split into
         calls (goose's kernels for every layer: `LeanForward.plan`)."""
-        return getattr(forward, "plan", None) is not None
+        return forward.plan is not None
 
     def __len__(self) -> int:
         return len(self._nodes)

@@ -21,12 +21,13 @@ import time
 from collections import deque
 
 from ..backends.cpukernel import release_thread_team
-from ..selection.costmodel import load_or_measure_batch
-from ..decoding import GenerationResult, context_limit, decode_config, default_forward, encode, eos_ids, id_set, \
-    text_pieces
+from ..config import EngineConfig
 from ..errors import GooseError
+from .measure import load_or_measure_batch
 from .methods import Method, make_method
-from .prefix import BLOCK, DEFAULT_PREFIX_CACHE_MB, PrefixCache
+from .prefix import BLOCK, PrefixCache
+from .requests import GenerationResult, context_limit, decode_config, default_forward, encode, eos_ids, id_set, \
+    text_pieces
 from .step import DECODE, PREFILL, Slot, step
 
 _END = object()  # end of a request's block queue
@@ -146,14 +147,28 @@ class Request:
         self._done.set()
 
 
-WEIGHTS_CHECK_STEPS = 8  # steps between weights checks while no request joins or finishes
+_UNSET = object()  # a keyword setting not given (its EngineConfig default applies)
+
+
+def _settings(given: EngineConfig | None, **keywords) -> EngineConfig:
+    """`given`, or an EngineConfig built from the keyword settings that were passed (not both)."""
+    passed = {k: v for k, v in keywords.items() if v is not _UNSET}
+    if given is None:
+        return EngineConfig(**passed)
+    if passed:
+        raise GooseError(f"give {', '.join(passed)} inside engine_config, not beside it")
+    if not isinstance(given, EngineConfig):
+        raise GooseError(f"engine_config must be an EngineConfig, got {type(given).__name__}")
+    return given
 
 
 class Engine:
     """Serves many requests at once on one model (see the module docstring). Thread-safe.
 
     `method`: the default method of every request (a name of `goose.METHODS`); a request may name another
-    with ``submit(..., method=...)``. `max_batch`: requests decoded together (more wait in a FIFO queue:
+    with ``submit(..., method=...)``. `engine_config`: every setting below (`goose.config.EngineConfig`);
+    the keywords `max_batch`, `max_queue`, `prefill_chunk` and `prefix_cache_mb` build one instead.
+    `max_batch`: requests decoded together (more wait in a FIFO queue:
     more requests per forward raise throughput and each request's time per token). `max_queue`: waiting
     requests beyond which `submit` raises GooseError (None: unbounded). `prefill_chunk`: prompt tokens all
     prefilling requests may add in one step (None: each request's ``prefill_chunk`` option, 512 by default).
@@ -177,18 +192,16 @@ class Engine:
     torch work on other threads while the engine decodes slows both (docs/performance.md §8).
     """
 
-    def __init__(self, model, tokenizer=None, method: str | Method = "goose", max_batch: int = 8, config=None,
-                 *, forward=None, max_queue: int | None = None, prefill_chunk: int | None = None,
-                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, thread: bool = True) -> None:
-        if max_batch < 1:
-            raise GooseError(f"max_batch must be >= 1, got {max_batch}")
-        if max_queue is not None and max_queue < 0:
-            raise GooseError(f"max_queue must be >= 0, got {max_queue}")
-        if not prefix_cache_mb >= 0:
-            raise GooseError(f"prefix_cache_mb must be >= 0, got {prefix_cache_mb}")
-        self.prefixes = PrefixCache(int(prefix_cache_mb * 2**20))  # the step loop's own (see goose.engine.prefix)
+    def __init__(self, model, tokenizer=None, method: str | Method = "goose", max_batch: int = _UNSET, config=None,
+                 *, forward=None, max_queue: int | None = _UNSET, prefill_chunk: int | None = _UNSET,
+                 prefix_cache_mb: float = _UNSET, thread: bool = True,
+                 engine_config: EngineConfig | None = None) -> None:
+        self.settings = settings = _settings(engine_config, max_batch=max_batch, max_queue=max_queue,
+                                             prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
+        self.prefixes = PrefixCache(settings.prefix_cache_bytes)  # the step loop's own (see goose.engine.prefix)
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.max_batch, self.max_queue = settings.max_batch, settings.max_queue
+        self.prefill_chunk = settings.prefill_chunk
         self._own_forward = forward is None
         self.forward = forward if forward is not None else default_forward(model)
         self.vocab = model.get_output_embeddings().weight.shape[0]
@@ -210,7 +223,7 @@ class Engine:
         self.steps = 0  # forwards run so far
         self._checked_at = 0  # self.steps at the last weights check
         self.batch_sizes: deque[int] = deque(maxlen=BATCH_SIZES_KEPT)  # requests per step, recent steps only
-        self.batch_counts = [0] * (max_batch + 1)  # steps run with n requests, for every n (fixed size)
+        self.batch_counts = [0] * (self.max_batch + 1)  # steps run with n requests, for every n (fixed size)
         self.failure: str | None = None  # why the step loop stopped for good (None: it runs, or was closed)
         self._thread = threading.Thread(target=self._loop, name="goose-engine", daemon=True) if thread else None
         self._runner_done = threading.Event()
@@ -330,7 +343,7 @@ class Engine:
                 tpl = make_method(name, self.vocab, self.config)
                 tpl.prepare(self.model, self.forward, self.tokenizer)
                 self._templates[name] = tpl
-            if getattr(tpl, "cost", None) is not None and self._cost is None:
+            if tpl.cost is not None and self._cost is None:
                 self._cost = load_or_measure_batch(self.model, self.forward, self.max_batch)
             return tpl
 
@@ -382,7 +395,7 @@ class Engine:
                 self._waiting.remove(r)
                 r._finish("cancelled")
             admitting = bool(self._waiting) and len(self._running) < self.max_batch
-        if admitting or self.steps - self._checked_at >= WEIGHTS_CHECK_STEPS:
+        if admitting or self.steps - self._checked_at >= self.settings.weights_check_steps:
             self._checked_weights()
         with self._cond:
             self._running = [r for r in self._running if not r.done]
@@ -393,7 +406,7 @@ class Engine:
             running = list(self._running)
         reuse = self.prefixes.max_bytes > 0 and PrefixCache.supports(self.forward)
         for r in admitted:
-            self._guard(r, "starting the request (cache allocation)", r.slot.begin)
+            self._guard(r, "starting the request (cache allocation)", r.slot.begin, self.settings.tree_room)
         if reuse:
             self._share_prefixes([r for r in running if not r.done])
         for r in running:
@@ -402,7 +415,7 @@ class Engine:
         running = [r for r in running if not r.done]
         if running:
             try:
-                step(self.forward, [r.slot for r in running], self._cost, self.prefill_chunk)
+                step(self.forward, [r.slot for r in running], self._cost, self.prefill_chunk, self.settings)
             except Exception as exc:  # a failure of the shared forward fails the requests in it
                 for r in running:
                     r._finish("error", exc if isinstance(exc, GooseError) else GooseError(f"decoding failed: {exc!r}"))
@@ -485,8 +498,7 @@ class Engine:
         the old weights); the waiting ones decode with a forward built from the new weights, or fail when the
         forward was given by the caller (it holds packed copies of the old ones)."""
         self._checked_at = self.steps
-        stale = getattr(self.forward, "stale", None)
-        if stale is None or not stale():
+        if not self.forward.stale():
             return
         self.prefixes.clear()  # entries of the old weights
         with self._cond:

@@ -1,19 +1,20 @@
 """The step loop over a batch of requests: the one place where goose decodes.
 
 Each request owns a `Slot`: its prompt, options, chooser (greedy or seeded sampling), method instance,
-KV cache, generated tokens and statistics. `step(forward, slots, cost)` advances every slot by one forward:
+KV cache, generated tokens and statistics. `step(forward, slots, cost)` advances every slot by one forward,
+one function per stage; what a slot carries from stage to stage within a step is its `_Work`:
 
-  1. draft       decoding slots: the method's tree (or, for `goose`, its candidate tree and node
-                 probabilities); prefilling slots: their next prompt chunk (all chunks of a step share
-                 one token budget, so a long prompt stalls the others by at most one chunk)
-  2. select      the batch's best set of subtrees under the batched cost curve, rows priced at the
-                 sequences' mean cached context (`selector.allocate`)
-  3. tensorize   ancestor mask and depths (cached per topology; none for chains)
+  1. draft       `_prefill_chunks`: prefilling slots' next prompt chunks (all chunks of a step share one
+                 token budget, so a long prompt stalls the others by at most one chunk); `_draft`:
+                 decoding slots' trees (or, for `goose`, candidate trees and node probabilities)
+  2. select      `_select`: the batch's best set of subtrees under the batched cost curve, rows priced at
+                 the sequences' mean cached context (`selector.allocate`)
+  3. tensorize   `_tensorize`: ancestor mask and depths (cached per topology; none for chains)
   4. forward     one pass over every slot's tokens, each on its own cache (`forward.run`)
-  5. verify      per slot: the longest path whose tokens the target picks, plus its next token
+  5. verify      `_verify`: per slot, the longest path whose tokens the target picks, plus its next token
   6. compact KV  keep the prefix, the root and the accepted path
-  7. harvest     the method learns from the logits of every verified node
-  8. commit      accepted tokens + bonus (cut at the first stop token, `stop` and max_new_tokens)
+  7. harvest     `_harvest`: the method learns from the logits of every verified node
+  8. commit      `_commit`: accepted tokens + bonus (cut at the first stop token, `stop` and max_new_tokens)
 
 `Decoder` runs it on a batch of one; `Engine` on every running request. Nothing here reads or writes state
 that another slot can change, except what the method shares across requests by design (the adjacency
@@ -28,17 +29,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.lean import Segment
 from ..backends.tree_tensors import ancestor_mask, is_chain, tree_depths
-from ..config import DecodeConfig
-from ..drafting.tree import ROOT
+from ..config import DecodeConfig, EngineConfig
+from ..drafting.tree import ROOT, DraftTree, WalkResult
 from ..errors import GooseError
-from ..selection.selector import allocate
+from ..protocols import CostModel, Forward, KVCache, Segment
+from ..selection.selector import Candidates, allocate
 from .sampling import Chooser
 from .stats import Stats
 
 PREFILL, DECODE, DONE = "prefill", "decode", "done"
-TREE_ROOM = 160  # cache entries reserved beyond prompt + max_new_tokens for a step's tree (more still fit: the cache grows)
+DEFAULTS = EngineConfig()  # the settings of a step loop that is given none (a `Decoder`'s)
 
 
 @dataclass(eq=False)
@@ -48,7 +49,7 @@ class Slot:
     prompt: list[int]
     cfg: DecodeConfig
     method: object  # a Method instance of this request (see Method.fork)
-    cache: object  # its own KV cache (forward.new_cache())
+    cache: KVCache  # its own KV cache (forward.new_cache())
     eos: set[int]
     limit: int | None  # the model's context
     chooser: Chooser | None = None
@@ -64,11 +65,6 @@ class Slot:
     new: list[int] = field(default_factory=list)  # tokens committed by the last step
     new_sources: list[int] = field(default_factory=list)  # per token of `new`: SPINE, BRANCH or ROOT (the target's own)
     stage_ms: dict[str, float] = field(default_factory=dict)
-    # per step, set by `step`
-    _tree: object = None
-    _cands: object = None
-    _tokens: list[int] = field(default_factory=list)
-    _harvest: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -82,14 +78,12 @@ class Slot:
             self.stats = Stats(prompt_tokens=len(self.prompt))
         self.stage_ms = self.stats.stage_ms
 
-    def begin(self) -> None:
-        """Start decoding: a fresh cache (sized for the whole request where the cache can be) and the method's
-        per-request state."""
+    def begin(self, tree_room: int = DEFAULTS.tree_room) -> None:
+        """Start decoding: a fresh cache (sized for the whole request and `tree_room` entries of a step's tree,
+        where the cache can be) and the method's per-request state."""
         self.t0 = time.perf_counter()
-        expect = getattr(self.cache, "expect", None)
-        if expect is not None:
-            total = len(self.prompt) + self.cfg.max_new_tokens + TREE_ROOM
-            expect(total if self.limit is None else min(total, self.limit + TREE_ROOM))
+        total = len(self.prompt) + self.cfg.max_new_tokens + tree_room
+        self.cache.expect(total if self.limit is None else min(total, self.limit + tree_room))
         self.cache.reset()
         self.method.start()
 
@@ -131,6 +125,20 @@ class Slot:
             self.state, self.finish_reason = DONE, reason
 
 
+class _Work:
+    """One slot's part of one step: what its stages hand each other (dropped after the step)."""
+
+    __slots__ = ("slot", "chunk", "harvest", "cands", "tree", "tokens")
+
+    def __init__(self, slot: Slot, chunk: list[int] | None = None) -> None:
+        self.slot = slot
+        self.chunk = chunk  # prefilling: the prompt tokens of this step
+        self.harvest = 0  # prefilling: the chunk's last positions whose logits the method harvests
+        self.cands: Candidates | None = None  # decoding: the candidate tree the selection cuts (`goose`)
+        self.tree: DraftTree | None = None  # decoding: the tree this step verifies
+        self.tokens: list[int] = []  # decoding: its tokens, then any unverified extras (lookahead window)
+
+
 class _Clock:
     """Adds the milliseconds since the previous call to each slot's `stage_ms[name]` (shared stages are
     charged to every slot of the step)."""
@@ -147,122 +155,159 @@ class _Clock:
         self.last = now
 
 
-def step(forward, slots: list[Slot], cost=None, prefill_budget: int | None = None) -> None:
+def step(forward: Forward, slots: list[Slot], cost: CostModel | None = None, prefill_budget: int | None = None,
+         settings: EngineConfig = DEFAULTS) -> None:
     """Advance every slot that is not done by one forward (see the module docstring). `cost`: the batched
     cost curve (`costmodel.BatchCostCurve`) that `goose` slots' subtrees are chosen under; `prefill_budget`:
-    prompt tokens all prefilling slots may add in this step (default: the first one's ``prefill_chunk``).
-    After the call each slot's `new` holds the tokens it committed."""
+    prompt tokens all prefilling slots may add in this step (default: the first one's ``prefill_chunk``);
+    `settings`: the engine's (`EngineConfig`). After the call each slot's `new` holds the tokens it committed."""
     with torch.inference_mode():
-        _step(forward, [s for s in slots if not s.done], cost, prefill_budget)
+        _step(forward, [s for s in slots if not s.done], cost, prefill_budget, settings)
 
 
-def _step(forward, slots: list[Slot], cost, budget: int | None) -> None:
+def _step(forward: Forward, slots: list[Slot], cost: CostModel | None, budget: int | None,
+          settings: EngineConfig) -> None:
     for s in slots:
         s.new, s.new_sources = [], []
     decoding = [s for s in slots if s.state == DECODE]
     clock = _Clock(decoding)
-    # 1. prefill chunks (token budget shared by the prefilling slots) and drafts (decoding slots)
+    prefills = _prefill_chunks(slots, budget)  # 1. draft
+    drafts = [_Work(s) for s in decoding]
+    context = _mean_context(decoding + [w.slot for w in prefills])
+    _draft(drafts, prefills, cost, context, settings)
+    clock("draft")
+    _select(drafts, prefills, cost, context)  # 2. select
+    clock("select")
+    by_slot = {id(w.slot): w for w in prefills + drafts}
+    work = [by_slot[id(s)] for s in slots if id(s) in by_slot]  # in the slots' order
+    segments = [_tensorize(w) for w in work]  # 3. tensorize
+    clock("tensorize")
+    if not segments:
+        return
+    outs = forward.run(segments)  # 4. forward
+    clock("forward")
+    for w, logits in zip(work, outs):
+        if w.chunk is not None:
+            _after_prefill_chunk(w, logits)
+        else:
+            _verify_and_commit(w, logits)  # 5.-8.
+
+
+def _prefill_chunks(slots: list[Slot], budget: int | None) -> list[_Work]:
+    """The next prompt chunk of each prefilling slot that is not held, in order, while the step's prompt-token
+    budget lasts (default: the first one's ``prefill_chunk``)."""
     prefilling = [s for s in slots if s.state == PREFILL and not s.hold]
-    chunks: dict[int, list[int]] = {}
+    out: list[_Work] = []
     if prefilling:
         left = budget or prefilling[0].cfg.prefill_chunk
         for s in prefilling:
             take = min(left, s.cfg.prefill_chunk, len(s.prompt) - s.filled)
             if take <= 0:
                 break
-            chunks[id(s)] = s.prompt[s.filled : s.filled + take]
+            out.append(_Work(s, s.prompt[s.filled : s.filled + take]))
             left -= take
-    context = _mean_context(decoding + [s for s in prefilling if id(s) in chunks])
-    min_prob = _worth(cost, len(chunks) + len(decoding), sum(map(len, chunks.values())) + len(decoding),
-                      len(decoding), context)
-    for s in decoding:
+    return out
+
+
+def _draft(drafts: list[_Work], prefills: list[_Work], cost: CostModel | None, context: float,
+           settings: EngineConfig) -> None:
+    """Each decoding slot's tree, or its candidates when its method offers them (built only where a node can
+    pay for its row: `_worth`), cut to the model's context."""
+    n_dec = len(drafts)
+    min_prob = _worth(cost, len(prefills) + n_dec, sum(len(w.chunk) for w in prefills) + n_dec, n_dec, context,
+                      settings)
+    for w in drafts:
+        s = w.slot
         anchor = s.out[-1]
         prev = s.out[-2] if len(s.out) > 1 else s.prompt[-1]
         room = None if s.limit is None else s.limit - 1 - s.cache.length
-        cand = getattr(s.method, "candidates", None)
-        if cand is not None:
-            s._cands, s._tree = cand(anchor, prev, room, min_prob), None
+        if s.method.offers_candidates:
+            w.cands = s.method.candidates(anchor, prev, room, min_prob)
         else:
             tree = s.method.draft(anchor, prev)
-            s._tree, s._cands = (tree if room is None else tree.within_depth(room)), None
-    clock("draft")
-    # 2. select: the batch's best subtrees for the slots that offer candidates
-    fixed = sum(len(c) for c in chunks.values()) + sum(len(s._tree.all_tokens) for s in decoding if s._tree)
-    offered = [s for s in decoding if s._cands is not None]
-    if offered:
-        n_seq = len(chunks) + len(decoding)
-        picks = allocate([s._cands for s in offered], fixed, len(decoding) - len(offered), cost, n_seq, context)
-        for s, tree in zip(offered, picks):
-            s._tree = tree
-    clock("select")
-    # 3. tensorize
-    segments, active = [], []
-    for s in slots:
-        if s.state == PREFILL:
-            chunk = chunks.get(id(s))
-            if chunk is None:
-                continue
-            end = s.filled + len(chunk)
-            tail = len(s.prompt) if s.method.prefill_harvest is None else s.method.prefill_harvest
-            s._harvest = min(len(chunk), max(0, end - (len(s.prompt) - tail)))  # harvested positions here
-            segments.append(Segment(s.cache, chunk, keep_last=max(s._harvest, 1)))
-        else:
-            tree = s._tree
-            s._tokens = tokens = tree.all_tokens  # tree nodes, then any unverified extras (lookahead window)
-            if len(tokens) == 1 or is_chain(tree):
-                segments.append(Segment(s.cache, tokens))
-            else:
-                segments.append(Segment(s.cache, tokens, tree_depths(tree), ancestor_mask(tree)))
-        active.append(s)
-    clock("tensorize")
-    # 4. forward
-    if not segments:
+            w.tree = tree if room is None else tree.within_depth(room)
+
+
+def _select(drafts: list[_Work], prefills: list[_Work], cost: CostModel | None, context: float) -> None:
+    """The batch's best subtrees for the slots that offer candidates, around the rows the others fill."""
+    offered = [w for w in drafts if w.cands is not None]
+    if not offered:
         return
-    outs = forward.run(segments)
-    clock("forward")
-    # 5.-8. per slot
-    for s, logits in zip(active, outs):
-        if s.state == PREFILL:
-            _after_prefill_chunk(s, chunks[id(s)], logits)
-            continue
-        tree = s._tree
-        t = time.perf_counter()
-        walk = s.chooser.walk(tree, logits, s.prompt + s.out)  # 5. verify
-        t = _add(s, "verify", t)
-        s.cache.keep(walk.path)  # 6. compact KV
-        t = _add(s, "compact", t)
-        tokens = s._tokens
-        prev_anchor = s.out[-2] if len(s.out) > 1 else s.prompt[-1]
-        prevs = [prev_anchor] + [tokens[p] for p in tree.all_parents[1:]]
-        s.method.harvest(tokens, prevs, logits)  # 7. harvest
-        s.method.observe(tree, walk)
-        t = _add(s, "harvest", t)
-        s.commit([tree.tokens[i] for i in walk.path[1:]] + [walk.bonus],  # 8. commit
-                 [tree.sources[i] for i in walk.path[1:]] + [ROOT])
-        s.method.commit(s.new)
-        s.stats.record_step(tree, walk)
-        _add(s, "commit", t)
+    fixed = sum(len(w.chunk) for w in prefills) + sum(len(w.tree.all_tokens) for w in drafts if w.tree)
+    n_seq = len(prefills) + len(drafts)
+    picks = allocate([w.cands for w in offered], fixed, len(drafts) - len(offered), cost, n_seq, context)
+    for w, tree in zip(offered, picks):
+        w.tree = tree
 
 
-WORTH_ROWS = 4  # the marginal cost of a draft row: averaged over this many rows (the curve has flat steps)
-# a request's candidates are built when its best child may bring 1.5x a row's price: building, pricing and
-# harvesting a tree costs Python time that the curve does not price (benchmarks/concurrency_ab.py: 1.5 against
-# 0.8 gave +5% tokens/s at concurrency 1 and +3% at 4, level at 8)
-WORTH_MARGIN = 1.5
+def _tensorize(w: _Work) -> Segment:
+    """The slot's segment of the forward: its prompt chunk (logits kept for the harvested positions, at
+    least the last), or its tree's tokens with the tree's mask and depths (none for a chain)."""
+    s = w.slot
+    if w.chunk is not None:
+        end = s.filled + len(w.chunk)
+        tail = len(s.prompt) if s.method.prefill_harvest is None else s.method.prefill_harvest
+        w.harvest = min(len(w.chunk), max(0, end - (len(s.prompt) - tail)))  # harvested positions here
+        return Segment(s.cache, w.chunk, keep_last=max(w.harvest, 1))
+    w.tokens = tokens = w.tree.all_tokens  # tree nodes, then any unverified extras (lookahead window)
+    parents = w.tree.topology()
+    if len(tokens) == 1 or is_chain(parents):
+        return Segment(s.cache, tokens)
+    return Segment(s.cache, tokens, tree_depths(parents), ancestor_mask(parents))
 
 
-def _worth(cost, sequences: int, rows: int, value: float, context: float = 0.0) -> float:
+def _verify_and_commit(w: _Work, logits: torch.Tensor) -> None:
+    """Stages 5-8 of one decoding slot, each timed on its own."""
+    s = w.slot
+    t = time.perf_counter()
+    walk = _verify(w, logits)
+    t = _add(s, "verify", t)
+    s.cache.keep(walk.path)  # 6. compact KV
+    t = _add(s, "compact", t)
+    _harvest(w, logits, walk)
+    t = _add(s, "harvest", t)
+    _commit(w, walk)
+    _add(s, "commit", t)
+
+
+def _verify(w: _Work, logits: torch.Tensor) -> WalkResult:
+    s = w.slot
+    return s.chooser.walk(w.tree, logits, s.prompt + s.out)
+
+
+def _harvest(w: _Work, logits: torch.Tensor, walk: WalkResult) -> None:
+    """The method reads the logits of every node (each node's predecessor: its parent's token, the root's
+    the token before the anchor) and what was accepted."""
+    s, tree, tokens = w.slot, w.tree, w.tokens
+    prev_anchor = s.out[-2] if len(s.out) > 1 else s.prompt[-1]
+    prevs = [prev_anchor] + [tokens[p] for p in tree.all_parents[1:]]
+    s.method.harvest(tokens, prevs, logits)
+    s.method.observe(tree, walk)
+
+
+def _commit(w: _Work, walk: WalkResult) -> None:
+    """The accepted tokens and the target's bonus token, with their draft sources."""
+    s, tree = w.slot, w.tree
+    s.commit([tree.tokens[i] for i in walk.path[1:]] + [walk.bonus],
+             [tree.sources[i] for i in walk.path[1:]] + [ROOT])
+    s.method.commit(s.new)
+    s.stats.record_step(tree, walk)
+
+
+def _worth(cost: CostModel | None, sequences: int, rows: int, value: float, context: float = 0.0,
+           settings: EngineConfig = DEFAULTS) -> float:
     """About the acceptance probability a draft node must reach to pay for its row in this step: the step's
     tokens per millisecond without drafts (`value` tokens for `rows` rows) times the marginal cost of a
-    row (its share of the cached `context` included), times WORTH_MARGIN. Only speed depends on it (requests
-    whose root children are all below it verify a plain step without building a candidate tree); 0 without
-    a cost curve."""
-    if cost is None or value <= 0 or rows < 1 or rows + WORTH_ROWS > cost.max_size:
+    row (its share of the cached `context` included, averaged over `settings.worth_rows` rows), times
+    `settings.worth_margin`. Only speed depends on it (requests whose root children are all below it verify
+    a plain step without building a candidate tree); 0 without a cost curve."""
+    span = settings.worth_rows
+    if cost is None or value <= 0 or rows < 1 or rows + span > cost.max_size:
         return 0.0
     at = cost.pricer(sequences, context)
     base = at(rows)
-    marginal = (at(rows + WORTH_ROWS) - base) / WORTH_ROWS
-    return WORTH_MARGIN * value * marginal / base if base > 0 else 0.0
+    marginal = (at(rows + span) - base) / span
+    return settings.worth_margin * value * marginal / base if base > 0 else 0.0
 
 
 def _mean_context(slots: list[Slot]) -> float:
@@ -276,8 +321,8 @@ def _add(s: Slot, name: str, t: float) -> float:
     return now
 
 
-def _after_prefill_chunk(s: Slot, chunk: list[int], logits: torch.Tensor) -> None:
-    k = s._harvest
+def _after_prefill_chunk(w: _Work, logits: torch.Tensor) -> None:
+    s, chunk, k = w.slot, w.chunk, w.harvest
     if k:
         prevs = ([s.prev] + chunk[:-1])[-k:]
         s.method.harvest(chunk[-k:], prevs, logits[-k:])

@@ -8,21 +8,9 @@ is the target's own next token, so the output equals plain decoding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..drafting.tree import DraftTree
-
-
-@dataclass(frozen=True)
-class WalkResult:
-    path: list[int]  # accepted node indices, root first
-    bonus: int  # the target's token after the last accepted node
-
-    @property
-    def accepted(self) -> int:
-        """Draft tokens accepted (the root is the already-committed anchor)."""
-        return len(self.path) - 1
+from ..drafting.tree import DraftTree, WalkResult
 
 
 def walk(tree: DraftTree, choose: Callable[[int], int]) -> WalkResult:

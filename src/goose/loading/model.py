@@ -227,7 +227,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     dt = resolve_dtype(dtype)
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        from ..backends.quant import load_gguf_model  # GGUF blocks (None: float32 weights)
+        from .gguf import load_gguf_model  # GGUF blocks (None: float32 weights)
 
         net = load_gguf_model(path, gguf_source(model), weights, dt, resolve_device(device), attn_implementation)
         if net is None and pack:

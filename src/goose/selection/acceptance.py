@@ -12,8 +12,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from ..config import AcceptanceConfig
-from ..drafting.tree import SPINE, DraftTree
-from ..engine.verify import WalkResult
+from ..drafting.tree import SPINE, DraftTree, WalkResult
 
 CONSENSUS, LONG, SHORT = 0, 1, 2
 _SPINE_DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # depth buckets: <=1, <=2, ..., >32

@@ -1,38 +1,15 @@
 """Forward cost curve of a model on its device: milliseconds per forward as a function of query size.
 
-Measured once per (model, dtype, device, threads, forward backend) on a realistic cache length, stored
-as JSON under ``$XDG_CACHE_HOME/goose/cost/`` and linearly interpolated between grid points. The
-device-aware decoder divides expected tokens by this cost to choose each step's tree size.
+Measured once per (model, dtype, device, threads, forward backend) on a realistic cache length
+(`goose.engine.measure`) and linearly interpolated between grid points. The device-aware decoder divides
+expected tokens by this cost to choose each step's tree size.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import statistics
-import sys
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
-import torch
-
-from .. import cachefs
-from ..backends.tree_tensors import ancestor_mask, tree_depths
-from ..drafting.tree import BRANCH, DraftTree
-from ..paths import cache_root
-from ..progress import note
-
-GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-REPEATS = 5  # timed passes over the grid (after one warm-up pass); the median of each size is kept
-MAX_SPREAD = 1.5  # a measurement whose passes differ more (median over sizes) was disturbed: not cached
-MEASURE_TRIES = 2  # measurements tried before a disturbed one is used uncached
-CONTEXT_ROWS = 8  # rows of the tree timed on a short and a long cache to price a row's cached context
-CONTEXT_FACTOR = 2  # the long cache holds this many times `cache_len` tokens (4x measured the same beta here)
-PROTOCOL = 3  # bumped when the measurement changes, so cached curves are measured again
-
 
 @dataclass(frozen=True)
 class CostCurve:
@@ -94,163 +71,6 @@ def monotone(ms: list[float]) -> list[float]:
     return [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
 
 
-_KERNEL_SOURCES = ("cpu_kernels.cpp", "quant_kernels.cpp", "int8_kernels.cpp")
-_kernels_digest: list[str] = []
-
-
-def kernels_digest() -> str:
-    """A hash of goose's kernel sources: a new kernel measures its own curves."""
-    if not _kernels_digest:
-        h = hashlib.sha1()
-        for name in _KERNEL_SOURCES:
-            path = Path(__file__).parents[1] / "backends" / name
-            h.update(path.read_bytes() if path.exists() else b"")
-        _kernels_digest.append(h.hexdigest()[:12])
-    return _kernels_digest[0]
-
-
-def curve_key(model, forward) -> str:
-    """Identifies what the curve depends on: model shape, dtype, device, threads, forward backend and goose's
-    kernel sources."""
-    cfg = model.config
-    parts = [getattr(cfg, "model_type", "?"), getattr(cfg, "_name_or_path", ""),
-             str(sum(p.numel() for p in model.parameters())), str(next(model.parameters()).dtype),
-             str(next(model.parameters()).device), f"threads={torch.get_num_threads()}", type(forward).__name__,
-             getattr(forward, "backend", ""), f"protocol={PROTOCOL}", f"kernels={kernels_digest()}"]
-    digest = hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
-    return f"{parts[0]}-{digest}"
-
-
-def bushy_tree(n: int, vocab: int) -> DraftTree:
-    """A tree of n nodes with a realistic mix of depth and width (a chain with side branches)."""
-    tree = DraftTree.root(1 % vocab)
-    tok = 2
-    while len(tree) < n:
-        parent = len(tree) - 1 if len(tree) % 3 else max(0, len(tree) - 3)
-        if tree.add(parent, tok % vocab, BRANCH) < 0:
-            tree.add(0, tok % vocab, BRANCH)
-        tok += 1
-    return tree
-
-
-def prefilled_caches(forward, vocab: int, count: int, cache_len: int) -> list:
-    """`count` caches of the forward's own (`forward.new_cache()`), each prefilled with `cache_len` tokens of
-    its own: the prefixes a cost measurement times trees on."""
-    from ..backends.lean import Segment
-
-    caches = [forward.new_cache() for _ in range(count)]
-    for i, c in enumerate(caches):
-        c.reset()
-        forward.run([Segment(c, [(j * 7919 + i) % vocab for j in range(cache_len)], keep_last=1)])
-    return caches
-
-
-def tree_segment(cache, tree: DraftTree):
-    """The forward's segment verifying `tree` on `cache` (no mask for a single node)."""
-    from ..backends.lean import Segment
-
-    return Segment(cache, tree.tokens, *((tree_depths(tree), ancestor_mask(tree)) if len(tree) > 1 else ()))
-
-
-@torch.inference_mode()
-def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int = REPEATS,
-            sequences: int = 1) -> CostCurve:
-    """Median ms per forward of `sequences` trees of `n` nodes in all (split as evenly as possible), each on
-    top of its own cache of `cache_len` tokens, for each size n >= sequences of `sizes`; made non-decreasing
-    in the size (`monotone`). The caches are the measurement's own (`forward.new_cache()`). For one sequence
-    it also prices the cached context (`context_cost`)."""
-    sizes = tuple(n for n in sizes if n >= sequences)
-    caches = prefilled_caches(forward, vocab, sequences, cache_len)
-    trees = {(n, i): bushy_tree(n // sequences + (i < n % sequences), vocab) for n in sizes for i in range(sequences)}
-    segments = {n: [tree_segment(c, trees[n, i]) for i, c in enumerate(caches)] for n in sizes}
-    samples: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in range(repeats + 1):  # the first pass warms up and is discarded
-        for n in sizes:
-            t0 = time.perf_counter()
-            forward.run(segments[n])
-            dt = (time.perf_counter() - t0) * 1e3
-            for c in caches:
-                c.keep([])  # back to the prefix
-            if rep:
-                samples[n].append(dt)
-    spread = statistics.median(_spread(v) for v in samples.values())
-    context = context_cost(forward, vocab, cache_len, repeats) if sequences == 1 else 0.0
-    return CostCurve(sizes, tuple(monotone([statistics.median(samples[n]) for n in sizes])), context, cache_len,
-                     spread)
-
-
-def context_cost(forward, vocab: int, cache_len: int, repeats: int = REPEATS) -> float:
-    """ms per query row and cached token: a tree of CONTEXT_ROWS nodes timed on a cache of `cache_len` tokens
-    and on one of CONTEXT_FACTOR times as many (interleaved, after a warm-up call each), the difference of the
-    medians per row and extra token; never negative."""
-    caches = [prefilled_caches(forward, vocab, 1, n)[0] for n in (cache_len, CONTEXT_FACTOR * cache_len)]
-    tree = bushy_tree(CONTEXT_ROWS, vocab)
-    segments = [[tree_segment(c, tree)] for c in caches]
-    samples: list[list[float]] = [[], []]
-    for rep in range(repeats + 1):
-        for i, c in enumerate(caches):
-            t0 = time.perf_counter()
-            forward.run(segments[i])
-            dt = (time.perf_counter() - t0) * 1e3
-            c.keep([])
-            if rep:
-                samples[i].append(dt)
-    extra = statistics.median(samples[1]) - statistics.median(samples[0])
-    return max(0.0, extra / (CONTEXT_ROWS * (CONTEXT_FACTOR - 1) * cache_len))
-
-
-def _spread(samples: list[float]) -> float:
-    """Slowest / fastest of one size's timed passes, ignoring one outlier each side when there are 4 or more."""
-    s = sorted(samples)
-    k = 1 if len(s) >= 4 else 0
-    return s[-1 - k] / s[k]
-
-
-def _read_curve(path: Path) -> CostCurve | None:
-    """The curve stored at `path`, or None when it is missing or not a valid curve (then it is measured
-    again and replaced)."""
-    try:
-        curve = CostCurve.from_json(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    if not all(math.isfinite(m) and m > 0 for m in curve.ms) or curve.sizes[0] < 1:
-        return None
-    return curve
-
-
-def load_or_measure(model, forward, remeasure: bool = False, path: Path | None = None,
-                    sequences: int = 1) -> CostCurve:
-    """The cached curve for this (model, device, backend), measuring it first if needed.
-
-    Measuring holds a lock on the curve's file (`cachefs.lock`), so concurrent processes measure once, not
-    at the same time on the same cores, and the file is replaced atomically (a killed measurement leaves
-    the old curve or none, never a torn one)."""
-    vocab = model.get_output_embeddings().weight.shape[0]
-    path = path or cache_root() / "cost" / f"{curve_key(model, forward)}{'' if sequences == 1 else f'-x{sequences}'}.json"
-    if not remeasure:
-        curve = _read_curve(path)
-        if curve is not None:
-            return curve
-    with cachefs.lock(path):
-        if not remeasure:
-            curve = _read_curve(path)  # measured by another process while this one waited
-            if curve is not None:
-                return curve
-        cachefs.clean_stale(path.parent)
-        note(f"measuring this model's forward cost curve on this machine (once; cached in {path.parent})")
-        for _ in range(MEASURE_TRIES):
-            curve = measure(forward, vocab, sequences=sequences)
-            if curve.spread <= MAX_SPREAD:
-                cachefs.write_text(path, json.dumps(curve.to_json()))
-                return curve
-    print(f"goose: the forward's timings varied {curve.spread:.1f}x between passes (is the machine busy?); "
-          f"this cost curve is used now but not cached", file=sys.stderr)
-    return curve
-
-
-BATCH_SEQUENCES = (1, 2, 4, 8)  # sequence counts whose cost curves are measured for a batch of that size
-
-
 @dataclass(frozen=True)
 class BatchCostCurve:
     """Cost of one forward over several sequences: ms as a function of the number of sequences and of their
@@ -301,11 +121,3 @@ class BatchCostCurve:
     @classmethod
     def single(cls, curve: CostCurve) -> "BatchCostCurve":
         return cls(((1, curve),))
-
-
-def load_or_measure_batch(model, forward, max_batch: int, remeasure: bool = False) -> BatchCostCurve:
-    """The batched cost curve for up to `max_batch` sequences per forward (one cached curve per count in
-    `BATCH_SEQUENCES` up to the first one >= max_batch)."""
-    counts = [b for b in BATCH_SEQUENCES if b < max_batch] + [next((b for b in BATCH_SEQUENCES if b >= max_batch),
-                                                                   max_batch)]
-    return BatchCostCurve(tuple((b, load_or_measure(model, forward, remeasure, sequences=b)) for b in counts))

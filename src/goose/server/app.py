@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException
 from ..decoding import encode_chat
 from ..drafting.tree import BRANCH, SPINE
 from ..engine.methods import METHODS
-from ..engine.prefix import DEFAULT_PREFIX_CACHE_MB
+from ..config import DEFAULT_PREFIX_CACHE_MB
 from ..errors import GooseError
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatCompletionRequest, CompletionRequest

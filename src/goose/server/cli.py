@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..cliargs import add_model_args, int_in, method_name, positive_int
-from ..engine.prefix import DEFAULT_PREFIX_CACHE_MB
+from ..cliargs import add_model_args, int_in, method_name, positive_int, prefix_cache_mb
+from ..config import DEFAULT_PREFIX_CACHE_MB
 
 _port = int_in(1, 65535)
 _non_negative_int = int_in(0)
@@ -66,7 +66,7 @@ def register(sub) -> None:
     s.add_argument("--max-batch", type=positive_int, default=8, help="requests decoded together (default 8)")
     s.add_argument("--max-queue", type=_non_negative_int, default=64,
                    help="waiting requests beyond which new ones get 429 (default 64)")
-    s.add_argument("--prefix-cache-mb", type=_non_negative_int, default=DEFAULT_PREFIX_CACHE_MB,
+    s.add_argument("--prefix-cache-mb", type=prefix_cache_mb, default=DEFAULT_PREFIX_CACHE_MB,
                    help="room for stored prompt prefixes' keys and values, reused by requests that start with "
                         f"them (a shared system prompt, earlier turns); 0 = off (default {DEFAULT_PREFIX_CACHE_MB})")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints (visible "

@@ -1,0 +1,294 @@
+"""GGUF files: read their tensor table (`read_gguf`, `tensor_bytes`) and load a model on their quantized blocks.
+
+`use_gguf_weights` packs each supported tensor once into goose's panel layout (`goose.backends.quant`'s
+kernels) and swaps the model's `nn.Linear` / `nn.Embedding` modules for `PackedLinear` / `PackedEmbedding`;
+`load_gguf_model` builds the model on the meta device and streams the rest of its weights (`stream_load`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..backends.packed import PackedEmbedding, PackedLinear, fuse_layers
+from ..backends.quant import FORMATS, PANEL, QuantKernels, QuantWeight, kernels_or_none, unavailable_reason
+from ..errors import GooseError
+from .stream import stream_load
+
+# ---- GGUF -> model --------------------------------------------------------------------------------------
+
+# GGUF tensor name (per layer, after "blk.{i}.") -> module path under model.model.layers[i]
+_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+# architectures whose tensors map this way (llama's q/k rows are permuted by llama.cpp's converter)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def _permutation(n: int, heads: int) -> np.ndarray:
+    """HF row i of a llama q/k projection is GGUF row perm[i] (the inverse of llama.cpp's rope permutation)."""
+    dim = n // heads // 2
+    return np.arange(n).reshape(heads, dim, 2).swapaxes(1, 2).reshape(n)
+
+
+class GGUFTensor:
+    """One tensor of a GGUF file: GGML type name, shape (GGUF order: ne0 = the row length first), where its
+    bytes lie, and how many there are."""
+
+    __slots__ = ("name", "type", "shape", "offset", "nbytes")
+
+    def __init__(self, name: str, type_name: str, shape: list[int], offset: int, nbytes: int) -> None:
+        self.name, self.type, self.shape, self.offset, self.nbytes = name, type_name, shape, offset, nbytes
+
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
+    """The scalar and string metadata and the tensor table of a GGUF file (v2/v3), checked against the file's
+    size; tensor bytes are read later, one tensor at a time (`tensor_bytes`). A lean parser: gguf's
+    GGUFReader builds a Python object per vocabulary entry (~170 MB for a 49k vocabulary)."""
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    def bad(why: str) -> GooseError:
+        return GooseError(f"cannot read GGUF file {path}: {why}")
+
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise bad(str(exc)) from exc
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise bad("truncated header")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            pos = 0
+
+            def take(fmt: str):
+                nonlocal pos
+                n = struct.calcsize(fmt)
+                if pos + n > size:
+                    raise bad("truncated metadata")
+                v = struct.unpack_from(fmt, mm, pos)[0]
+                pos += n
+                return v
+
+            def string() -> str:
+                nonlocal pos
+                n = take("<Q")
+                if pos + n > size:
+                    raise bad("truncated string")
+                v = bytes(mm[pos:pos + n]).decode("utf-8", "replace")
+                pos += n
+                return v
+
+            def value(kind: int):
+                nonlocal pos
+                if kind in _SCALARS:
+                    return take(_SCALARS[kind])
+                if kind == 8:
+                    return string()
+                if kind == 9:
+                    item, count = take("<I"), take("<Q")
+                    if item in _SCALARS:  # skipped without reading
+                        pos += count * struct.calcsize(_SCALARS[item])
+                        if pos > size:
+                            raise bad("truncated array")
+                    else:
+                        for _ in range(count):
+                            value(item)
+                    return None
+                raise bad(f"unknown metadata type {kind}")
+
+            if bytes(mm[:4]) != b"GGUF":
+                raise bad("not a GGUF file (no GGUF magic)")
+            pos = 4
+            version = take("<I")
+            if version not in (2, 3):
+                raise bad(f"GGUF version {version} is not supported")
+            n_tensors, n_kv = take("<Q"), take("<Q")
+            meta = {}
+            for _ in range(n_kv):
+                key = string()
+                meta[key] = value(take("<I"))
+            infos = []
+            for _ in range(n_tensors):
+                name = string()
+                dims = [take("<Q") for _ in range(take("<I"))]
+                infos.append((name, dims, take("<I"), take("<Q")))
+    align = meta.get("general.alignment") or 32
+    start = -(-pos // align) * align
+    tensors = {}
+    for name, dims, code, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(code)
+            block, bbytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError) as exc:
+            raise bad(f"tensor {name} has an unknown type {code}") from exc
+        count = int(np.prod(dims)) if dims else 1
+        if not dims or dims[0] % block:
+            raise bad(f"tensor {name}: rows of {dims[:1]} are not whole {qtype.name} blocks")
+        nbytes = count // block * bbytes
+        if start + offset + nbytes > size:
+            raise bad(f"tensor {name} runs past the end of the file (truncated?)")
+        tensors[name] = GGUFTensor(name, qtype.name, dims, start + offset, nbytes)
+    return meta, tensors
+
+
+def tensor_bytes(path: Path, t: GGUFTensor, rows: int) -> np.ndarray:
+    """A tensor's bytes as ``[rows, bytes per row]`` uint8 (read from the file, no mapping kept)."""
+    with open(path, "rb") as f:
+        f.seek(t.offset)
+        data = np.fromfile(f, dtype=np.uint8, count=t.nbytes)
+    if data.size != t.nbytes:
+        raise GooseError(f"cannot read GGUF file {path}: tensor {t.name} is truncated")
+    return data.reshape(rows, -1)
+
+
+def _notice(msg: str) -> None:
+    print(f"goose: {msg}", file=sys.stderr)
+
+
+def use_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, check: bool = True) -> dict:
+    """Replace `model`'s projections, embedding and output head by the GGUF file's quantized blocks (where
+    the file holds them in a supported format); returns ``{"packed": [...names], "float32": [...], "bytes": n}``.
+
+    The model must be the one transformers loads from this file (config, names, shapes). With `check`, the
+    first rows of every tensor are compared with the model's float32 weights before those are released: any
+    difference (a mapping this function got wrong) raises instead of giving other weights. Types without a
+    kernel (F16, Q5_K, ...) keep their float32 weights, with a one-line notice."""
+    kern = kernels or kernels_or_none()
+    if kern is None:
+        raise GooseError(f"goose's quantized kernels cannot run here: {unavailable_reason()}")
+    meta, tensors = read_gguf(Path(gguf))
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{arch}'")
+    cfg, base = model.config, model.model
+    done: dict = {"packed": [], "float32": [], "bytes": 0}
+    skipped: set[str] = set()
+
+    def quantized(name: str, module: nn.Module, heads: int | None = None) -> QuantWeight | None:
+        t = tensors.get(name)
+        if t is None:
+            return None
+        fmt = t.type
+        if fmt not in FORMATS:
+            if fmt not in ("F32", "F16", "BF16"):
+                skipped.add(fmt)
+            done["float32"].append(name)
+            return None
+        n, k = module.weight.shape
+        _, block, bbytes = FORMATS[fmt]
+        if t.shape != [k, n] or k % block or t.nbytes != n * (k // block * bbytes):
+            raise GooseError(f"GGUF tensor {name} ({fmt}) has shape {t.shape} and {t.nbytes} bytes; the model "
+                             f"needs [{k}, {n}]")
+        data = tensor_bytes(Path(gguf), t, n)
+        order = _permutation(n, heads) if heads else range(n)
+        w = kern.pack(fmt, [data[i] for i in order], k)
+        if check and module.weight.device.type != "meta":
+            rows = min(n, 2 * PANEL)
+            ref = module.weight.detach()[:rows].float()
+            if not torch.equal(w[:rows], ref):
+                raise GooseError(f"GGUF tensor {name}: its blocks do not give the model's weights "
+                                 f"(max diff {(w[:rows] - ref).abs().max().item():.3g})")
+        done["packed"].append(name)
+        done["bytes"] += w.nbytes
+        return w
+
+    permute = arch == "llama"
+    for i, layer in enumerate(base.layers):
+        for short, path in _LAYER_NAMES.items():
+            parent_name, attr = path.split(".")
+            parent = getattr(layer, parent_name)
+            module = getattr(parent, attr)
+            if type(module) is not nn.Linear:
+                continue
+            heads = None
+            if permute and short == "attn_q":
+                heads = cfg.num_attention_heads
+            elif permute and short == "attn_k":
+                heads = cfg.num_key_value_heads
+            w = quantized(f"blk.{i}.{short}.weight", module, heads)
+            if w is not None:
+                setattr(parent, attr, PackedLinear(w, module.bias))
+    emb = base.embed_tokens
+    tied = model.lm_head.weight is emb.weight
+    ew = quantized("token_embd.weight", emb) if type(emb) is nn.Embedding else None
+    if ew is not None:
+        base.embed_tokens = PackedEmbedding(ew, emb.padding_idx)
+    if tied and ew is not None and "output.weight" not in tensors:
+        model.lm_head = PackedLinear(ew, model.lm_head.bias)
+    elif not tied and type(model.lm_head) is nn.Linear:
+        ow = quantized("output.weight", model.lm_head)
+        if ow is not None:
+            model.lm_head = PackedLinear(ow, model.lm_head.bias)
+    fuse_layers(model)  # q/k/v and gate/up in one buffer each, as the forward multiplies them
+    if skipped:
+        _notice(f"{gguf.name}: {', '.join(sorted(skipped))} tensors have no quantized kernel; they run "
+                "dequantized to float32")
+    return done
+
+
+WEIGHTS = ("gguf", "float32")
+
+
+def _resolve(src: Path | None, weights: str | None, dtype: torch.dtype,
+             device: torch.device) -> tuple[Path | None, str | None]:
+    """(the GGUF file, None) when `weights` resolves to GGUF blocks; (None, why not) otherwise (why: None when
+    nothing needs saying). `src`: the model's single GGUF file (`model.gguf_source`), or None."""
+    if weights not in (None, *WEIGHTS):
+        raise GooseError(f"unknown weights '{weights}'; choose one of: {', '.join(WEIGHTS)}")
+    if weights == "float32":
+        return None, None
+    if src is None:
+        why = "the model is not a single GGUF file (a .gguf path or smollm2-135m)"
+    elif dtype != torch.float32 or device.type != "cpu":
+        why = "GGUF blocks run in float32 on the CPU only"
+    elif kernels_or_none() is None:
+        why = f"goose's quantized kernels cannot run here ({unavailable_reason()})"
+    else:
+        return src, None
+    if weights == "gguf":
+        raise GooseError(f"--weights gguf: {why}")
+    return None, (why if src is not None else None)
+
+
+def load_gguf_model(path: Path, source: Path | None, weights: str | None, dtype: torch.dtype, device: torch.device,
+                    attn_implementation: str):
+    """`load_model`'s ``weights``: "gguf" (the GGUF blocks, `use_gguf_weights`), "float32" (the dequantized
+    weights), or None: "gguf" where it applies (a single-file GGUF source of a supported architecture, float32
+    on CPU, the kernels available here), else float32 with a one-line notice for a GGUF source.
+
+    Returns the model with its blocks in place, or None when the weights are to be float32 (the caller loads
+    them). The model is built on the meta device and only its small float32 tensors (norms, biases, anything
+    the file does not hold in a supported format) are read from the dequantized copy in `path`, so the
+    float32 projections are never materialised. An explicit "gguf" that cannot be honoured raises."""
+    src, why = _resolve(source, weights, dtype, device)
+    if src is not None:
+        try:
+            return _meta_load(path, src, attn_implementation)
+        except GooseError as exc:
+            if weights == "gguf":
+                raise
+            why = str(exc)
+    if why:
+        _notice(f"using float32 weights: {why}")
+    return None
+
+
+def _meta_load(path: Path, gguf: Path, attn_implementation: str):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    if getattr(cfg, "model_type", None) not in ARCHITECTURES:
+        raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{cfg.model_type}'")
+    return stream_load(path, attn_implementation, prepare=lambda net: use_gguf_weights(net, gguf, check=False))

@@ -1,0 +1,101 @@
+"""The interfaces the engine decodes through, and the plain data that crosses them.
+
+A forward (`goose.backends`: `LeanForward`, `HFForward`), the KV caches it makes, and a batched cost model
+(`goose.selection.costmodel.BatchCostCurve`) are used only through these protocols. Optional behaviour is a
+protocol member with a default: a class that subclasses the protocol inherits it, so callers never probe
+for it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+
+class KVCache(Protocol):
+    """One sequence's keys and values (one per request: nothing is shared between caches)."""
+
+    @property
+    def length(self) -> int:
+        """Cached entries."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the cache (allocating it where it is allocated up front)."""
+        ...
+
+    def keep(self, path: list[int]) -> None:
+        """Keep the prefix and the nodes `path` of the last forward (in that order); drop the rest."""
+        ...
+
+    def expect(self, total: int) -> None:
+        """The sequence will need about `total` entries; called before `reset`. Default: nothing (the cache
+        grows as it needs)."""
+        return None
+
+
+class Segment:
+    """One sequence's part of a forward: `tokens` appended to `cache` as a causal run, or as a tree
+    (``allowed [n, n]`` ancestor mask and ``depths [n]``); only the last `keep_last` rows' logits when given."""
+
+    __slots__ = ("cache", "tokens", "depths", "allowed", "keep_last")
+
+    def __init__(self, cache: KVCache, tokens: list[int], depths: torch.Tensor | None = None,
+                 allowed: torch.Tensor | None = None, keep_last: int | None = None) -> None:
+        self.cache, self.tokens, self.depths, self.allowed, self.keep_last = cache, tokens, depths, allowed, keep_last
+
+
+class Forward(Protocol):
+    """The target model's forward over KV caches of its own making.
+
+    `run` serves the engine (several sequences per call); `reset` / `__call__` / `keep` / `length` are the
+    single-sequence API on the forward's own cache."""
+
+    backend: str  # which kernels run it (part of a cost curve's cache key)
+    # goose's whole-model kernel plan, when every layer runs on goose's kernels: each cache entry is then
+    # computed the same however the sequence was split into calls (what the prefix cache needs)
+    plan: object | None = None
+
+    def new_cache(self) -> KVCache:
+        ...
+
+    def run(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """Logits per segment, ``[n, vocab]`` (the last `keep_last` rows where given)."""
+        ...
+
+    def reset(self) -> None:
+        ...
+
+    @property
+    def length(self) -> int:
+        ...
+
+    def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
+                 allowed: torch.Tensor | None = None, keep_last: int | None = None) -> torch.Tensor:
+        ...
+
+    def keep(self, path: list[int]) -> None:
+        ...
+
+    def stale(self) -> bool:
+        """True when the model's weights changed since this forward copied or packed them. Default: False (a
+        forward that reads the model's own weights is never stale)."""
+        return False
+
+
+class CostModel(Protocol):
+    """Milliseconds of one forward over `sequences` sequences with `n` query tokens in all, whose cached
+    contexts hold `context` tokens on average."""
+
+    @property
+    def max_size(self) -> int:
+        """The largest measured query size."""
+        ...
+
+    def __call__(self, sequences: int, n: float, context: float = 0.0) -> float:
+        ...
+
+    def pricer(self, sequences: int, context: float = 0.0) -> Callable[[float], float]:
+        """``n -> ms`` for a fixed sequence count and context (what a step prices many sizes with)."""
+        ...

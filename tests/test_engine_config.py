@@ -1,0 +1,91 @@
+"""`EngineConfig`: the engine's settings, checked once; the protocols' defaults; settings change speed only."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from conftest import TINY_VOCAB, greedy_memo, make_tiny_llama
+from goose import Engine, GooseError
+from goose.backends.forward import HFCache, HFForward
+from goose.backends.lean import LeanForward
+from goose.cliargs import prefix_cache_mb
+from goose.config import EngineConfig
+from goose.engine.methods import make_method
+from goose.protocols import Forward, KVCache
+
+
+@pytest.fixture(scope="module")
+def model32():
+    return make_tiny_llama(torch.float32, seed=5)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_batch", 0), ("max_batch", 2.5), ("max_batch", True), ("max_queue", -1), ("prefill_chunk", 0),
+    ("prefix_cache_mb", -1), ("prefix_cache_mb", math.nan), ("prefix_cache_mb", math.inf), ("prefix_cache_mb", "8"),
+    ("worth_margin", -0.5), ("worth_margin", math.nan), ("worth_rows", 0), ("tree_room", -1),
+    ("weights_check_steps", 0),
+])
+def test_bad_settings_raise_one_clear_error_naming_the_setting(field, value):
+    with pytest.raises(GooseError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_valid_edges_are_accepted():
+    cfg = EngineConfig(max_batch=1, max_queue=0, prefill_chunk=1, prefix_cache_mb=0, worth_margin=0.0, tree_room=0)
+    assert cfg.prefix_cache_bytes == 0
+    assert EngineConfig(prefix_cache_mb=1.5).prefix_cache_bytes == 3 * 2**19
+
+
+def test_prefix_cache_mb_argument_is_checked_by_the_config():
+    import argparse
+
+    assert prefix_cache_mb("0") == 0.0 and prefix_cache_mb("12.5") == 12.5
+    for bad in ("-1", "nan", "lots"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            prefix_cache_mb(bad)
+
+
+def test_engine_takes_a_config_or_keywords_not_both(model32):
+    cfg = EngineConfig(max_batch=3, max_queue=5, prefix_cache_mb=0)
+    with Engine(model32, None, "ar", engine_config=cfg) as eng:
+        assert eng.settings is cfg and eng.max_batch == 3 and eng.max_queue == 5 and eng.prefixes.max_bytes == 0
+    with Engine(model32, None, "ar", 2, max_queue=4) as eng:
+        assert eng.settings == EngineConfig(max_batch=2, max_queue=4)
+    with pytest.raises(GooseError, match="max_batch"):
+        Engine(model32, None, "ar", max_batch=2, engine_config=cfg)
+    with pytest.raises(GooseError, match="engine_config"):
+        Engine(model32, None, "ar", engine_config={"max_batch": 2})
+
+
+@pytest.mark.parametrize("settings", [
+    EngineConfig(max_batch=3, worth_margin=0.0, worth_rows=1, tree_room=0, weights_check_steps=1),
+    EngineConfig(max_batch=3, worth_margin=50.0, worth_rows=8, prefill_chunk=3, prefix_cache_mb=0),
+])
+def test_speed_settings_never_change_a_token(model32, settings):
+    """Every setting shapes only which trees are built and how the work is cut: each request's tokens are
+    still its greedy tokens."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2, TINY_VOCAB) for _ in range(rng.randint(3, 20))] for _ in range(5)]
+    with Engine(model32, None, "goose", engine_config=settings) as eng:
+        reqs = [eng.submit(p, 16) for p in prompts]
+        outs = [r.result(timeout=300).token_ids for r in reqs]
+    assert outs == [greedy_memo(model32, p, 16) for p in prompts]
+
+
+def test_protocol_defaults_are_inherited(model32):
+    """Optional behaviour comes from the protocol: a cache without its own `expect` ignores it, a forward
+    without packed copies is never stale and has no kernel plan; a method without candidates says so."""
+    cache = HFCache()
+    assert KVCache in HFCache.__mro__ and cache.expect(1000) is None
+    hf = HFForward(model32, kernel=False)
+    assert Forward in HFForward.__mro__ and hf.plan is None and hf.stale() is False
+    assert Forward in LeanForward.__mro__
+    ar = make_method("ar", TINY_VOCAB, None)
+    assert ar.cost is None and not ar.offers_candidates
+    with pytest.raises(NotImplementedError):
+        ar.candidates(1, 0)
+    assert make_method("goose", TINY_VOCAB, None).offers_candidates
