@@ -29,7 +29,7 @@ from ..errors import GooseError
 
 METHODS = ("plain", "ngram", "suffix", "goose")
 VLLM_METHODS = ",".join(METHODS)
-# vLLM's own speculative configs as measured in the issues; `goose` is GooseProposer.
+# vLLM's own speculative configs; `goose` is GooseProposer.
 SPEC_CONFIGS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4},

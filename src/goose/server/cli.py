@@ -104,7 +104,7 @@ def register(sub) -> None:
     b.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     b.add_argument("--soak", type=_non_negative_int, default=0,
                    help="after the levels, N more requests at the highest concurrency, a random ~20%% of them "
-                        "cancelled by the client mid-stream (issue: 500)")
+                        "cancelled by the client mid-stream")
     b.add_argument("--soak-unique", action="store_true",
                    help="give every soak request a prompt of its own (a numbered tail): a working set that outgrows "
                         "the server's prefix cache, so it evicts")
