@@ -21,7 +21,8 @@ import time
 from collections import deque
 
 from ..backends.cpukernel import release_thread_team
-from ..config import EngineConfig
+from ..config import EngineConfig, GooseConfig
+from ..drafting.memory import MemoryPool
 from ..errors import GooseError
 from .measure import load_or_measure_batch
 from .methods import Method, make_method
@@ -43,7 +44,7 @@ class Request:
     def __init__(self, rid: int, prompt: list[int], slot: Slot, decode, on_tokens, tenant: str = "") -> None:
         self.id = rid
         self.prompt = prompt
-        self.tenant = tenant  # the prefix-cache scope of this request (see Engine.submit)
+        self.tenant = tenant  # the prefix-cache and suffix-memory scope of this request (see Engine.submit)
         self.slot = slot
         self.method = slot.method.name  # the method decoding this request
         self._decode = decode
@@ -194,11 +195,14 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, method: str | Method = "goose", max_batch: int = _UNSET, config=None,
                  *, forward=None, max_queue: int | None = _UNSET, prefill_chunk: int | None = _UNSET,
-                 prefix_cache_mb: float = _UNSET, thread: bool = True,
+                 prefix_cache_mb: float = _UNSET, memory_mb: float = _UNSET, thread: bool = True,
                  engine_config: EngineConfig | None = None) -> None:
         self.settings = settings = _settings(engine_config, max_batch=max_batch, max_queue=max_queue,
-                                             prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
+                                             prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
+                                             memory_mb=memory_mb)
         self.prefixes = PrefixCache(settings.prefix_cache_bytes)  # the step loop's own (see goose.engine.prefix)
+        # earlier requests' prompts and outputs, one memory per tenant (used on the engine's thread only)
+        self.memories = MemoryPool(settings.memory_bytes, (config or GooseConfig()).memory)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_batch, self.max_queue = settings.max_batch, settings.max_queue
         self.prefill_chunk = settings.prefill_chunk
@@ -406,6 +410,7 @@ class Engine:
             running = list(self._running)
         reuse = self.prefixes.max_bytes > 0 and PrefixCache.supports(self.forward)
         for r in admitted:
+            r.slot.method.memory = self.memories.get(r.tenant)
             self._guard(r, "starting the request (cache allocation)", r.slot.begin, self.settings.tree_room)
         if reuse:
             self._share_prefixes([r for r in running if not r.done])
@@ -435,6 +440,7 @@ class Engine:
                 if r.error is not None:  # its `stop` raised
                     r._finish("error", r.error)
                 elif s.done:
+                    self.memories.insert(r.tenant, s.prompt + s.out)
                     r._finish(s.finish_reason)
         with self._cond:
             self._running = [r for r in self._running if not r.done]
@@ -501,6 +507,7 @@ class Engine:
         if not self.forward.stale():
             return
         self.prefixes.clear()  # entries of the old weights
+        self.memories.clear()  # drafts learned from the old weights' outputs
         with self._cond:
             for r in self._running:
                 r._finish("error", GooseError("the model's weights changed while this request was decoded"))
