@@ -120,8 +120,8 @@ class SuffixMemory:
             else:
                 head[h] = code
 
-    def _candidates(self, context: Sequence[int]) -> list[tuple[int, _Seq, int]]:
-        """(match length, sequence, position) of the newest occurrences of the context's last k-gram."""
+    def _candidates(self, context: Sequence[int]) -> list[tuple[int, _Seq, int, int]]:
+        """(match length, sequence, position, sequence id) of the newest occurrences of the context's last k-gram."""
         cfg = self.cfg
         k, cap = cfg.min_match, cfg.max_match
         if len(context) < k:
@@ -226,6 +226,8 @@ class MemoryPool:
             before = oldest.nbytes
             oldest.evict_one()
             total -= before - oldest.nbytes
+            if len(oldest) == 0:
+                del self._tenants[name]
 
     def clear(self) -> None:
         self._tenants.clear()
