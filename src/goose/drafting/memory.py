@@ -121,14 +121,18 @@ class SuffixMemory:
                 head[h] = code
 
     def _candidates(self, context: Sequence[int]) -> list[tuple[int, _Seq, int, int]]:
-        """(match length, sequence, position, sequence id) of the newest occurrences of the context's last k-gram."""
+        """(match length, sequence, position, sequence id) of the newest occurrences of the context's last
+        k-gram whose real match is at least k tokens."""
         cfg = self.cfg
-        k, cap = cfg.min_match, cfg.max_match
+        k = cfg.min_match
         if len(context) < k:
             return []
         code = self._head.get(hash(tuple(context[-k:])), -1)
+        if code < 0:
+            return []
+        tail = array("i", context[-cfg.max_match :])  # compared a slice at a time (C speed)
+        n_tail = len(tail)
         seqs, out = self._seqs, []
-        limit = min(cap, len(context))
         for _ in range(cfg.max_candidates):
             if code < 0:
                 break
@@ -137,9 +141,18 @@ class SuffixMemory:
             if seq is None:
                 break
             toks = seq.tokens
-            m, top = 0, min(limit, j + 1)
-            while m < top and toks[j - m] == context[-1 - m]:
-                m += 1
+            top = min(n_tail, j + 1)
+            if toks[j + 1 - top : j + 1] == tail[n_tail - top :]:
+                m = top
+            else:  # shortest mismatch: binary search on the equal-suffix length (equality is monotone)
+                lo, hi = 0, top - 1  # the suffix of length lo matches, of length top does not
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if toks[j + 1 - mid : j + 1] == tail[n_tail - mid :]:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                m = lo
             if m >= k:
                 out.append((m, seq, j, sid))
             code = seq.links[j]
@@ -155,32 +168,52 @@ class SuffixMemory:
         active = [(seq, j + 1) for m, seq, j, _ in cands if m == best]  # newest first
         self._seqs.move_to_end(next(sid for m, _, _, sid in cands if m == best))
         draft = MemoryDraft(best, len(active))
+        # identical continuations (the common case in repeated text) are tallied once, with their count
+        groups: dict[tuple, list] = {}  # continuation -> [count, newest occurrence]
+        for seq, p in active:
+            cont = tuple(seq.tokens[p : p + cfg.count_depth])
+            g = groups.get(cont)
+            if g is None:
+                groups[cont] = [1, (seq, p)]
+            else:
+                g[0] += 1
+        live = list(groups.items())  # newest first
         depth = 0
-        while active and depth < cfg.count_depth:
-            tally: dict[int, list] = {}  # next token -> [count, first occurrence (newest)]
-            for seq, p in active:
-                if p < len(seq.tokens):
-                    t = seq.tokens[p]
-                    hit = tally.get(t)
+        while live and depth < cfg.count_depth:
+            if len(live) == 1:  # one continuation left: its tokens, all with its count
+                cont, (c, _) = live[0]
+                rest = cont[depth:]
+                draft.spine.extend(rest)
+                draft.counts.extend([c] * len(rest))
+                draft.totals.extend([c] * len(rest))
+                depth += len(rest)
+                if depth < cfg.count_depth:
+                    live = []
+                break
+            tally: dict[int, list] = {}  # next token -> [count, newest occurrence]
+            for cont, (c, occ) in live:
+                if depth < len(cont):
+                    hit = tally.get(cont[depth])
                     if hit is None:
-                        tally[t] = [1, (seq, p)]
+                        tally[cont[depth]] = [c, occ]
                     else:
-                        hit[0] += 1
+                        hit[0] += c
             if not tally:
                 break
             total = sum(c for c, _ in tally.values())
             top = max(tally, key=lambda t: tally[t][0])  # ties: the first inserted (newest occurrence)
             for t, (c, (seq, p)) in tally.items():
                 if t != top and len(draft.branches) < cfg.max_branches:
-                    draft.branches.append((depth - 1, list(seq.tokens[p : p + cfg.branch_length]), c, total))
+                    draft.branches.append((depth - 1, list(seq.tokens[p + depth : p + depth + cfg.branch_length]),
+                                           c, total))
             draft.spine.append(top)
             draft.counts.append(tally[top][0])
             draft.totals.append(total)
-            active = [(seq, p + 1) for seq, p in active if p < len(seq.tokens) and seq.tokens[p] == top]
+            live = [(cont, g) for cont, g in live if depth < len(cont) and cont[depth] == top]
             depth += 1
-        if active and depth < cfg.max_spine:  # beyond the tallied depths, copy the newest agreeing occurrence
-            seq, p = active[0]
-            rest = list(seq.tokens[p : p + cfg.max_spine - depth])
+        if live and depth == cfg.count_depth and depth < cfg.max_spine:  # copy on from the newest agreeing one
+            seq, p = live[0][1][1]
+            rest = list(seq.tokens[p + depth : p + cfg.max_spine])
             draft.spine.extend(rest)
             draft.counts.extend([draft.counts[-1]] * len(rest))
             draft.totals.extend([draft.totals[-1]] * len(rest))
