@@ -168,7 +168,7 @@ class Engine:
 
     `method`: the default method of every request (a name of `goose.METHODS`); a request may name another
     with ``submit(..., method=...)``. `engine_config`: every setting below (`goose.config.EngineConfig`);
-    the keywords `max_batch`, `max_queue`, `prefill_chunk` and `prefix_cache_mb` build one instead.
+    the keywords `max_batch`, `max_queue`, `prefill_chunk`, `prefix_cache_mb` and `memory_mb` build one instead.
     `max_batch`: requests decoded together (more wait in a FIFO queue:
     more requests per forward raise throughput and each request's time per token). `max_queue`: waiting
     requests beyond which `submit` raises GooseError (None: unbounded). `prefill_chunk`: prompt tokens all
@@ -245,8 +245,8 @@ class Engine:
         no two runs repeat each other). `stop(tokens) -> bool` is asked after every generated token;
         `eos`: stop token ids (default: the model's); `on_tokens(block)` is called on the engine's thread
         with each committed block (an exception there fails this request only). `tenant`: the prefix-cache
-        scope: a request reuses only prefixes stored by requests of the same tenant ("" = the anonymous
-        tenant). Bad input raises GooseError here, before anything is queued."""
+        and suffix-memory scope: a request reuses only prefixes stored, and drafts only from text seen, by
+        requests of the same tenant ("" = the anonymous tenant). Bad input raises GooseError here, before anything is queued."""
         cfg = decode_config(dict(options, max_new_tokens=max_new_tokens))
         if cfg.do_sample and cfg.seed is None:
             cfg = dataclasses.replace(cfg, seed=secrets.randbits(63))
