@@ -180,6 +180,10 @@ class Engine:
     where reuse gives the same bits). A request admitted beside an earlier one whose prompt shares its first
     blocks waits for that prefill to end, then copies them.
 
+    `memory_mb`: room for earlier requests' prompts and outputs that `goose` drafts from
+    (`goose.drafting.memory`): one memory per tenant, all within this many MiB together (least recently used
+    sequences dropped first; 0 turns it off); emptied when the weights change.
+
     Failures: an exception in one request's own stage (its cache allocation, prefix attach or store, its
     callbacks) fails that request alone; the step loop itself failing sets `failure` (the reason), fails
     every queued and running request with it and closes the engine (docs/reliability.md).
