@@ -226,3 +226,17 @@ def test_engine_memory_off():
         rs = [eng.generate([8, 9, 10, 11], 20) for _ in range(2)]
         assert eng.memories.get("") is None
     assert rs[1].stats.drafted["memory"] == 0 and rs[0].token_ids == rs[1].token_ids
+
+
+def test_concurrent_tenants_with_evictions_mid_request_equal_greedy(model):
+    """Requests of three tenants decoded together while finished ones insert and evict (a budget of a few
+    sequences): every output equals greedy decoding alone."""
+    prompts = PROMPT_POOL + [[23, 51, 9, 77, 3, 14, 30]]
+    with Engine(model, None, "goose", max_batch=3, prefix_cache_mb=0, memory_mb=0.003) as eng:
+        for _ in range(2):
+            reqs = [(p, n, eng.submit(p, n, tenant=f"t{i % 3}"))
+                    for i, (p, n) in enumerate((p, 12 + 7 * (i % 4)) for i, p in enumerate(prompts * 2))]
+            for p, n, r in reqs:
+                assert r.result(timeout=300).token_ids == greedy_memo(model, p, n)
+        assert eng.memories.nbytes <= eng.memories.max_bytes
+        assert eng.memories.evicted > 0  # the budget held a few sequences of the three tenants' twelve

@@ -227,6 +227,7 @@ class MemoryPool:
     def __init__(self, max_bytes: int, cfg: MemoryConfig = MemoryConfig()) -> None:
         self.max_bytes, self.cfg = int(max_bytes), cfg
         self._tenants: OrderedDict[str, SuffixMemory] = OrderedDict()
+        self.evicted = 0  # sequences evicted to keep all tenants within the budget
 
     def __len__(self) -> int:
         return len(self._tenants)
@@ -258,6 +259,7 @@ class MemoryPool:
                 continue
             before = oldest.nbytes
             oldest.evict_one()
+            self.evicted += 1
             total -= before - oldest.nbytes
             if len(oldest) == 0:
                 del self._tenants[name]
