@@ -59,7 +59,8 @@ def main() -> None:
                     tot[4] += st.accepted["memory"]
                     outs[k] = out
                     history[k] = msgs + [{"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)}]
-                assert outs["goose (memory)"] == outs["goose (no memory)"] == outs["ar"], f"output differs on {q.question_id}"
+                same = outs["goose (memory)"] == outs["goose (no memory)"] == outs["ar"]
+                assert same, f"output differs on {q.question_id}"
         ar_rate = totals["ar"][0] / totals["ar"][2]
         for k, (n, calls, secs, drafted, accepted) in totals.items():
             rate = n / secs

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from conftest import TINY_VOCAB, greedy_memo, make_tiny_llama
 from goose import Engine
-from goose.config import EngineConfig, GooseConfig, MemoryConfig
+from goose.config import EngineConfig, MemoryConfig
 from goose.decoding import Decoder
 from goose.drafting.memory import ENTRY_BYTES, SEQUENCE_BYTES, TOKEN_BYTES, MemoryPool, SuffixMemory
 from goose.drafting.tree import MEMORY, DraftTree
