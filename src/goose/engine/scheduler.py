@@ -250,7 +250,8 @@ class Engine:
         `eos`: stop token ids (default: the model's); `on_tokens(block)` is called on the engine's thread
         with each committed block (an exception there fails this request only). `tenant`: the prefix-cache
         and suffix-memory scope: a request reuses only prefixes stored, and drafts only from text seen, by
-        requests of the same tenant ("" = the anonymous tenant). Bad input raises GooseError here, before anything is queued."""
+        requests of the same tenant ("" = the anonymous tenant). Bad input raises GooseError here, before
+        anything is queued."""
         cfg = decode_config(dict(options, max_new_tokens=max_new_tokens))
         if cfg.do_sample and cfg.seed is None:
             cfg = dataclasses.replace(cfg, seed=secrets.randbits(63))
