@@ -56,6 +56,7 @@ def test_counts_follow_frequency_and_match_length_is_capped():
     assert d.spine == [10, 11] and d.counts == [2, 2] and d.totals == [3, 2]
     assert d.branches == [(-1, [12, 13], 1, 3)]
     assert [memory_rank(c, t) for c, t in zip(d.counts, d.totals)] == [2, 0]
+    assert [memory_rank(c, t, d.match) for c, t in zip(d.counts, d.totals)] == [6, 4]  # a short match
 
 
 def test_lru_eviction_of_whole_sequences_and_the_budget():
@@ -117,12 +118,13 @@ def test_bad_sizes_are_refused():
 def test_memory_nodes_have_their_own_acceptance_groups():
     tree = DraftTree.root(5)
     n = tree.add(0, 6, MEMORY, 0)
-    tree.add(n, 7, MEMORY, 3)
+    n = tree.add(n, 7, MEMORY, 3)
+    tree.add(n, 8, MEMORY, 5)
     acc = AcceptanceModel()
     keys = acc.keys(tree, 0)
-    assert keys[1] == ("m", 0, 0) and keys[2] == ("m", 3, 1)
+    assert keys[1:] == [("m", 0, 0), ("m", 3, 1), ("m", 5, 2)]
     q, _ = acc.node_probs(tree, 0)
-    assert q[1] == pytest.approx(acc.cfg.memory_prior[0]) and q[2] == pytest.approx(acc.cfg.memory_prior[3])
+    assert q[1:] == pytest.approx([acc.cfg.memory_prior[0], acc.cfg.memory_prior[3], acc.cfg.memory_short_prior[1]])
 
 
 # ---- decoding with memory ------------------------------------------------------------------------------

@@ -175,8 +175,9 @@ class AcceptanceConfig:
     spine_prior: tuple[float, float, float] = (0.7, 0.5, 0.3)  # consensus, long (>= 8 tokens), short match
     branch_prior: tuple[float, ...] = (0.3, 0.1, 0.05, 0.03, 0.02)  # by adjacency rank (last one repeats)
     # memory nodes, by how often their token followed the match (`goose.selection.acceptance.memory_rank`):
-    # all of >= 2 occurrences, all of one, most of them, fewer
+    # all of >= 2 occurrences, all of one, most of them, fewer; after a match of >= 8 tokens, and a shorter one
     memory_prior: tuple[float, float, float, float] = (0.7, 0.5, 0.4, 0.1)
+    memory_short_prior: tuple[float, float, float, float] = (0.4, 0.2, 0.2, 0.05)
     prior_strength: float = 4.0  # pseudo-trials behind each prior
     max_rank: int = 9  # ranks above this share a group
     max_branch_depth: int = 6  # branch depths above this share a group

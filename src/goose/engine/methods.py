@@ -276,12 +276,12 @@ class DeviceAwareGoose(GoosePaper):
     def _memory_candidates(self, anchor: int, prev: int | None, mem: MemoryDraft, max_depth: int | None,
                            min_prob: float) -> Candidates:
         """A spine tree whose spine (and its alternatives) come from the memory, adjacency branches around."""
-        ranks = [memory_rank(c, t) for c, t in zip(mem.counts, mem.totals)]
+        ranks = [memory_rank(c, t, mem.match) for c, t in zip(mem.counts, mem.totals)]
         self._idle = min_prob > 0 and self.acc.memory_best(ranks[0]) < min_prob
         if self._idle:
             return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
         reach = self.acc.memory_reach(ranks, min_prob) if min_prob > 0 else 0
-        alternatives = [(at, toks, memory_rank(c, t)) for at, toks, c, t in mem.branches]
+        alternatives = [(at, toks, memory_rank(c, t, mem.match)) for at, toks, c, t in mem.branches]
         cand = build_spine_tree(anchor, prev, mem.spine, chain_confidence(len(mem.spine), ranks[0] == 0), 1.0,
                                 self.adj, self.candidate_cfg, cap=load_budget(min_prob, reach, self.cfg.device_aware),
                                 spine_ranks=ranks, alternatives=alternatives)

@@ -23,12 +23,17 @@ def match_kind(consensus: bool, chain_len: int) -> int:
     return CONSENSUS if consensus else LONG if chain_len >= 8 else SHORT
 
 
-def memory_rank(count: int, total: int) -> int:
+MEMORY_LONG_MATCH = 8  # memory matches of this many context tokens or more are grouped apart from shorter ones
+
+
+def memory_rank(count: int, total: int, match: int = MEMORY_LONG_MATCH) -> int:
     """A memory node's group: 0 when all of >= 2 matching occurrences continued with it, 1 when the one
-    occurrence did, 2 when most did, 3 otherwise."""
+    occurrence did, 2 when most did, 3 otherwise; plus 4 when the match is shorter than MEMORY_LONG_MATCH."""
     if count == total:
-        return 0 if count >= 2 else 1
-    return 2 if 2 * count > total else 3
+        rank = 0 if count >= 2 else 1
+    else:
+        rank = 2 if 2 * count > total else 3
+    return rank if match >= MEMORY_LONG_MATCH else rank + 4
 
 
 def depth_bucket(depth: int, edges: tuple[int, ...]) -> int:
@@ -52,7 +57,7 @@ class AcceptanceModel:
         if key[0] == "s":
             return self.cfg.spine_prior[key[1]]
         if key[0] == "m":
-            return self.cfg.memory_prior[key[1]]
+            return self.cfg.memory_prior[key[1]] if key[1] < 4 else self.cfg.memory_short_prior[key[1] - 4]
         rank = key[1]
         return self.cfg.branch_prior[min(rank, len(self.cfg.branch_prior) - 1)]
 
@@ -65,7 +70,7 @@ class AcceptanceModel:
             if tree.sources[i] == SPINE:
                 out.append(("s", kind, _spine_bucket(tree.depths[i])))
             elif tree.sources[i] == MEMORY:
-                out.append(("m", min(tree.ranks[i], 3), _spine_bucket(tree.depths[i])))
+                out.append(("m", min(tree.ranks[i], 7), _spine_bucket(tree.depths[i])))
             else:
                 bdepth[i] = bdepth[p] + 1
                 out.append(("b", min(tree.ranks[i], self.cfg.max_rank), min(bdepth[i], self.cfg.max_branch_depth)))
@@ -87,13 +92,13 @@ class AcceptanceModel:
     def memory_best(self, rank: int) -> float:
         """`best_child` for a root whose memory child has group `rank` (adjacency children included)."""
         best = max(self.prob(("b", r, 1)) for r in range(self.cfg.max_rank + 1))
-        return max(best, self.prob(("m", min(rank, 3), _spine_bucket(1))))
+        return max(best, self.prob(("m", min(rank, 7), _spine_bucket(1))))
 
     def memory_reach(self, ranks: list[int], min_prob: float) -> int:
         """How many leading nodes of a memory spine with groups `ranks` keep a path probability >= `min_prob`."""
         p = 1.0
         for d, rank in enumerate(ranks, start=1):
-            p *= self.prob(("m", min(rank, 3), _spine_bucket(d)))
+            p *= self.prob(("m", min(rank, 7), _spine_bucket(d)))
             if p < min_prob:
                 return d - 1
         return len(ranks)
