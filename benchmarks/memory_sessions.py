@@ -38,7 +38,7 @@ def main() -> None:
     decoders = {"ar": Decoder(model, tok, "ar", memory_mb=0),
                 "goose (no memory)": Decoder(model, tok, "goose", memory_mb=0),
                 "goose (memory)": Decoder(model, tok, "goose")}
-    print(f"{len(questions)} two-turn sessions, {args.max_new_tokens} new tokens a turn, {cpu_name()}")
+    print(f"{len(questions)} two-turn sessions, {args.max_new_tokens} new tokens a turn, {cpu_name()}", flush=True)
     for name in ("cold", "warm"):
         totals = {k: [0, 0, 0.0, 0, 0] for k in decoders}  # tokens, forwards, seconds, memory drafted, accepted
         for q in questions:
@@ -59,6 +59,7 @@ def main() -> None:
                     tot[4] += st.accepted["memory"]
                     outs[k] = out
                     history[k] = msgs + [{"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)}]
+                print(f"  {name} {q.question_id} turn done", flush=True)
                 same = outs["goose (memory)"] == outs["goose (no memory)"] == outs["ar"]
                 assert same, f"output differs on {q.question_id}"
         ar_rate = totals["ar"][0] / totals["ar"][2]
