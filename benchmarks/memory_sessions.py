@@ -8,7 +8,7 @@ sessions again: the memory holds pass 1's sessions, as for a user or agent who r
 three decoders take turns request by request, so load on the machine affects all of them alike. Every output
 of `goose` must equal `ar`'s.
 
-    .venv/bin/python benchmarks/memory_sessions.py [--limit 1] [--max-new-tokens 96] [--data question.jsonl]
+    .venv/bin/python benchmarks/memory_sessions.py [--limit 1] [--max-new-tokens 96] [--sessions N] [--data question.jsonl]
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=1, help="questions per MT-Bench category (8 categories)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--data", default=str(SPEC), help="Spec-Bench's question.jsonl")
+    ap.add_argument("--sessions", type=int, default=None, help="only the first N sessions")
     args = ap.parse_args()
     model, tok = load_model(args.model)
     questions = [q for q in datasets.load(f"mt-bench:{args.data}", None, args.limit)
-                 if len(q.turns) >= 2]
+                 if len(q.turns) >= 2][: args.sessions]
     decoders = {"ar": Decoder(model, tok, "ar", memory_mb=0),
                 "goose (no memory)": Decoder(model, tok, "goose", memory_mb=0),
                 "goose (memory)": Decoder(model, tok, "goose")}
