@@ -146,11 +146,38 @@ class RestConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """The cross-request suffix memory (`goose.drafting.memory`): how a lookup searches and what it proposes.
+    Its size is its owner's (`Decoder(memory_mb=...)`, `EngineConfig.memory_mb`)."""
+
+    min_match: int = 3  # k: context suffixes shorter than this are not looked up (the hashed k-gram)
+    max_match: int = 32  # match lengths are measured up to this many tokens
+    max_candidates: int = 16  # newest occurrences of the k-gram examined per lookup
+    count_depth: int = 16  # depths whose next tokens are tallied over the matching occurrences
+    max_spine: int = 64  # spine tokens proposed (beyond count_depth: copied from the newest agreeing occurrence)
+    max_branches: int = 8  # alternatives (tokens that followed less often) proposed as branches
+    branch_length: int = 4  # tokens of each alternative's continuation
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_match <= self.max_match:
+            raise GooseError("need 1 <= min_match <= max_match")
+        for name in ("max_candidates", "count_depth", "max_spine", "branch_length"):
+            if getattr(self, name) < 1:
+                raise GooseError(f"{name} must be >= 1")
+        if self.max_branches < 0:
+            raise GooseError("max_branches must be >= 0")
+
+
+@dataclass(frozen=True)
 class AcceptanceConfig:
     """Priors and grouping of the online acceptance model used by the device-aware `goose` method."""
 
     spine_prior: tuple[float, float, float] = (0.7, 0.5, 0.3)  # consensus, long (>= 8 tokens), short match
     branch_prior: tuple[float, ...] = (0.3, 0.1, 0.05, 0.03, 0.02)  # by adjacency rank (last one repeats)
+    # memory nodes, by how often their token followed the match (`goose.selection.acceptance.memory_rank`):
+    # all of >= 2 occurrences, all of one, most of them, fewer; after a match of >= 8 tokens, and a shorter one
+    memory_prior: tuple[float, float, float, float] = (0.7, 0.5, 0.4, 0.1)
+    memory_short_prior: tuple[float, float, float, float] = (0.4, 0.2, 0.2, 0.05)
     prior_strength: float = 4.0  # pseudo-trials behind each prior
     max_rank: int = 9  # ranks above this share a group
     max_branch_depth: int = 6  # branch depths above this share a group
@@ -186,6 +213,7 @@ class GooseConfig:
     adjacency: AdjacencyConfig = field(default_factory=AdjacencyConfig)
     tree: SpineTreeConfig = field(default_factory=SpineTreeConfig)
     device_aware: DeviceAwareConfig = field(default_factory=DeviceAwareConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def with_budget(self, budget: int) -> "GooseConfig":
         return replace(self, tree=replace(self.tree, budget=budget))
@@ -254,6 +282,7 @@ class ProposerConfig:
 
 
 DEFAULT_PREFIX_CACHE_MB = 256  # Engine(prefix_cache_mb=...), goose serve / bench --prefix-cache-mb
+DEFAULT_MEMORY_MB = 64  # Engine / Decoder(memory_mb=...), goose serve --memory-mb: the cross-request suffix memory
 
 
 def _is_int(value) -> bool:
@@ -273,6 +302,7 @@ class EngineConfig:
     max_queue: int | None = None
     prefill_chunk: int | None = None
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
+    memory_mb: float = DEFAULT_MEMORY_MB  # MiB for the suffix memories of all tenants together (0: off)
     # a request's candidate tree is built when its best child may bring this many times a row's price:
     # building, pricing and harvesting a tree costs Python time that the cost curve does not price
     worth_margin: float = 1.5
@@ -290,6 +320,7 @@ class EngineConfig:
         if isinstance(self.prefix_cache_mb, bool) or not isinstance(self.prefix_cache_mb, (int, float)) \
                 or not 0 <= self.prefix_cache_mb < float("inf"):
             raise GooseError(f"prefix_cache_mb must be >= 0, got {self.prefix_cache_mb}")
+        check_memory_mb(self.memory_mb)
         if not 0 <= self.worth_margin < float("inf"):
             raise GooseError(f"worth_margin must be >= 0, got {self.worth_margin}")
         for name in ("worth_rows", "weights_check_steps"):
@@ -301,3 +332,14 @@ class EngineConfig:
     @property
     def prefix_cache_bytes(self) -> int:
         return int(self.prefix_cache_mb * 2**20)
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_mb * 2**20)
+
+
+def check_memory_mb(value) -> float:
+    """A suffix memory's size in MiB: a finite number >= 0 (0 turns the memory off)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise GooseError(f"memory_mb must be a number >= 0 (0: off), got {value!r}")
+    return float(value)

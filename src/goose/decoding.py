@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from .config import DecodeConfig, GooseConfig
+from .config import DEFAULT_MEMORY_MB, DecodeConfig, GooseConfig, check_memory_mb
+from .drafting.memory import SuffixMemory
 from .selection.costmodel import BatchCostCurve, CostCurve
 from .engine.step import Slot, step
 from .errors import GooseError
@@ -29,10 +30,13 @@ from .engine.stats import Stats
 
 
 class Decoder:
-    """A model, a method and its configuration; reusable across requests (not thread-safe)."""
+    """A model, a method and its configuration; reusable across requests (not thread-safe).
+
+    `memory_mb`: MiB for the suffix memory of this decoder's own earlier prompts and outputs, which `goose`
+    drafts from (`goose.drafting.memory`; 0: off); cleared when the model's weights change."""
 
     def __init__(self, model, tokenizer=None, method: str | Method = "goose", config: GooseConfig | None = None,
-                 forward=None, cost: CostCurve | None = None) -> None:
+                 forward=None, cost: CostCurve | None = None, memory_mb: float = DEFAULT_MEMORY_MB) -> None:
         self.model = model
         self.tokenizer = tokenizer
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -40,6 +44,9 @@ class Decoder:
         self._own_forward = forward is None
         self.forward = forward if forward is not None else default_forward(model)
         self.method.prepare(model, self.forward, tokenizer)
+        mb = check_memory_mb(memory_mb)
+        self.memory = SuffixMemory(int(mb * 2**20), (config or GooseConfig()).memory) if mb > 0 else None
+        self.method.memory = self.memory
         self.eos = eos_ids(model, tokenizer)
         self.device = next(model.parameters()).device
         self._live = 0  # requests of this decoder being decoded (paused streams included)
@@ -48,6 +55,8 @@ class Decoder:
         """The forward, checked against the model's current weights: a forward this decoder chose is rebuilt
         after the weights change; one the caller passed in is refused (it holds copies of old weights)."""
         if self.forward.stale():
+            if self.memory is not None:
+                self.memory.clear()
             if not self._own_forward:
                 raise GooseError("the model's weights changed since this forward packed them: build a new forward "
                                  "(or let the Decoder choose one) to decode with the current weights")
@@ -123,6 +132,8 @@ class Decoder:
                 step(fwd, [slot], cost)
                 if slot.new:
                     yield slot.new
+            if self.memory is not None:
+                self.memory.insert(slot.prompt + slot.out)
         finally:
             self._live -= 1
         stats.wall_time_s = time.perf_counter() - slot.t0

@@ -35,7 +35,8 @@ class GooseEngine:
     """A goose method: stats come straight from the step loop."""
 
     def __init__(self, model, tokenizer, method: str, config=None, sampling: dict | None = None) -> None:
-        self.decoder = Decoder(model, tokenizer, method, config)
+        # no suffix memory: a turn's repeats and the warm-up would draft from the turn's own earlier answer
+        self.decoder = Decoder(model, tokenizer, method, config, memory_mb=0)
         self.sampling = sampling or {}
 
     def generate(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:

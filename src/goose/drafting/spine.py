@@ -16,7 +16,7 @@ from collections import deque
 
 from ..config import GooseConfig, SpineTreeConfig
 from .adjacency import AdjacencyTable
-from .tree import BRANCH, SPINE, DraftTree
+from .tree import BRANCH, MEMORY, SPINE, DraftTree
 
 
 def spine_ratio(confidence: float, ema: float, cfg: SpineTreeConfig) -> float:
@@ -82,14 +82,35 @@ class _Brancher:
 
 
 def build_spine_tree(anchor: int, prev_anchor: int | None, chain: list[int], confidence: float,
-                     ema: float, adj: AdjacencyTable, cfg: GooseConfig, cap: int | None = None) -> DraftTree:
+                     ema: float, adj: AdjacencyTable, cfg: GooseConfig, cap: int | None = None,
+                     spine_ranks: list[int] | None = None, alternatives=()) -> DraftTree:
     """The GOOSE tree for one step (spec §5); with no chain it is a pure adjacency tree. `cap`: at most this
-    many nodes, root included, whatever the chain's confidence allows."""
+    many nodes, root included, whatever the chain's confidence allows.
+
+    A spine from the suffix memory comes with `spine_ranks` (its nodes are MEMORY nodes of these ranks) and
+    `alternatives`: (spine index or -1 for the root, tokens, rank) paths hung as MEMORY nodes before any
+    adjacency branch."""
     tcfg = cfg.tree
     tree = DraftTree.root(anchor)
     budget = tree_budget(confidence, cfg) if cap is None else max(2, min(cap, tree_budget(confidence, cfg)))
     n_spine = min(len(chain), int(budget * spine_ratio(confidence, ema, tcfg)), budget - 1)
-    spine = tree.add_chain(0, chain[:n_spine], SPINE)
+    if spine_ranks is None:
+        spine = tree.add_chain(0, chain[:n_spine], SPINE)
+    else:
+        spine, parent = [], 0
+        for tok, rank in zip(chain[:n_spine], spine_ranks):
+            parent = tree.add(parent, tok, MEMORY, rank)
+            spine.append(parent)
+        for at, toks, rank in alternatives:
+            if at >= len(spine):
+                continue
+            parent = 0 if at < 0 else spine[at]
+            for tok in toks:
+                if len(tree) >= budget:
+                    break
+                parent = tree.add(parent, tok, MEMORY, rank)
+                if parent < 0:
+                    break
     n_spine = len(spine)
     branch_budget = budget - 1 - n_spine
     spine_share = max(1, int(branch_budget * tcfg.spine_branch_share)) if n_spine and branch_budget > 0 else 0

@@ -18,11 +18,12 @@ from ..drafting.baselines import build_chain, build_isotropic_tree, build_tr_tre
 from ..drafting.datastore import Datastore, check_tokenizer
 from ..drafting.datastore import load as load_datastore
 from ..drafting.lookahead import JacobiWindow, NgramPool
-from ..drafting.ngram import NgramIndex
+from ..drafting.memory import MemoryDraft, SuffixMemory
+from ..drafting.ngram import NgramIndex, Proposal, chain_confidence
 from ..drafting.spine import build_spine_tree, tree_budget
 from ..drafting.tree import SPINE, DraftTree
 from ..errors import GooseError
-from ..selection.acceptance import SHORT, AcceptanceModel, match_kind
+from ..selection.acceptance import SHORT, AcceptanceModel, match_kind, memory_rank
 from ..selection.costmodel import CostCurve
 from ..selection.selector import Candidates, allocate
 from .measure import load_or_measure
@@ -35,6 +36,9 @@ class Method:
     prefill_harvest: int | None = 0  # prompt positions (the last k) whose logits `harvest` reads; None: all
     cost: CostCurve | None = None  # the device's cost curve, for a method that sizes its trees by it
     offers_candidates = False  # True: the step loop asks `candidates` and selects the subtree itself
+    # earlier requests' prompts and outputs, set by the request's owner (Decoder, Engine per tenant); read
+    # by the methods that draft from it (`goose`), None: no memory
+    memory: SuffixMemory | None = None
 
     def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
                    min_prob: float = 0.0) -> Candidates:
@@ -238,6 +242,9 @@ class DeviceAwareGoose(GoosePaper):
         plain step: the caller's estimate of what a node must bring to pay for its row)."""
         first = self.index.propose()
         self._kind = match_kind(first.consensus, len(first.chain))
+        mem = self._memory_draft(first)
+        if mem is not None:
+            return self._memory_candidates(anchor, prev, mem, max_depth, min_prob)
         self._idle = min_prob > 0 and self.acc.best_child(self._kind, bool(first.chain)) < min_prob
         if self._idle:  # (an extended chain is empty exactly when `first`'s is)
             return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
@@ -245,6 +252,9 @@ class DeviceAwareGoose(GoosePaper):
         reach = self.acc.spine_reach(self._kind, len(prop.chain), min_prob) if min_prob > 0 else 0
         cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg,
                                 cap=load_budget(min_prob, reach, self.cfg.device_aware))
+        return self._priced(cand, max_depth)
+
+    def _priced(self, cand: DraftTree, max_depth: int | None) -> Candidates:
         if max_depth is not None:
             cand = cand.within_depth(max_depth)
         if len(cand) == 1:
@@ -252,6 +262,30 @@ class DeviceAwareGoose(GoosePaper):
             return Candidates(cand, [1.0])
         q, _ = self.acc.node_probs(cand, self._kind)
         return Candidates(cand, q)
+
+    def _memory_draft(self, first: Proposal) -> MemoryDraft | None:
+        """The memory's draft when it matches a longer suffix than the context's own n-gram index (or the
+        context has no match); None otherwise."""
+        if self.memory is None:
+            return None
+        mem = self.memory.lookup(self.index.tokens)
+        if not mem.spine or (first.chain and mem.match <= first.ngram):
+            return None
+        return mem
+
+    def _memory_candidates(self, anchor: int, prev: int | None, mem: MemoryDraft, max_depth: int | None,
+                           min_prob: float) -> Candidates:
+        """A spine tree whose spine (and its alternatives) come from the memory, adjacency branches around."""
+        ranks = [memory_rank(c, t, mem.match) for c, t in zip(mem.counts, mem.totals)]
+        self._idle = min_prob > 0 and self.acc.memory_best(ranks[0]) < min_prob
+        if self._idle:
+            return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
+        reach = self.acc.memory_reach(ranks, min_prob) if min_prob > 0 else 0
+        alternatives = [(at, toks, memory_rank(c, t, mem.match)) for at, toks, c, t in mem.branches]
+        cand = build_spine_tree(anchor, prev, mem.spine, chain_confidence(len(mem.spine), ranks[0] == 0), 1.0,
+                                self.adj, self.candidate_cfg, cap=load_budget(min_prob, reach, self.cfg.device_aware),
+                                spine_ranks=ranks, alternatives=alternatives)
+        return self._priced(cand, max_depth)
 
     def draft(self, anchor: int, prev: int | None) -> DraftTree:
         return allocate([self.candidates(anchor, prev)], cost=self.cost_table)[0]

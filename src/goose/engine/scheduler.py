@@ -21,7 +21,8 @@ import time
 from collections import deque
 
 from ..backends.cpukernel import release_thread_team
-from ..config import EngineConfig
+from ..config import EngineConfig, GooseConfig
+from ..drafting.memory import MemoryPool
 from ..errors import GooseError
 from .measure import load_or_measure_batch
 from .methods import Method, make_method
@@ -43,7 +44,7 @@ class Request:
     def __init__(self, rid: int, prompt: list[int], slot: Slot, decode, on_tokens, tenant: str = "") -> None:
         self.id = rid
         self.prompt = prompt
-        self.tenant = tenant  # the prefix-cache scope of this request (see Engine.submit)
+        self.tenant = tenant  # the prefix-cache and suffix-memory scope of this request (see Engine.submit)
         self.slot = slot
         self.method = slot.method.name  # the method decoding this request
         self._decode = decode
@@ -167,7 +168,7 @@ class Engine:
 
     `method`: the default method of every request (a name of `goose.METHODS`); a request may name another
     with ``submit(..., method=...)``. `engine_config`: every setting below (`goose.config.EngineConfig`);
-    the keywords `max_batch`, `max_queue`, `prefill_chunk` and `prefix_cache_mb` build one instead.
+    the keywords `max_batch`, `max_queue`, `prefill_chunk`, `prefix_cache_mb` and `memory_mb` build one instead.
     `max_batch`: requests decoded together (more wait in a FIFO queue:
     more requests per forward raise throughput and each request's time per token). `max_queue`: waiting
     requests beyond which `submit` raises GooseError (None: unbounded). `prefill_chunk`: prompt tokens all
@@ -178,6 +179,10 @@ class Engine:
     whole blocks of 8 tokens, least recently used dropped first; 0 turns it off; only on goose's kernels,
     where reuse gives the same bits). A request admitted beside an earlier one whose prompt shares its first
     blocks waits for that prefill to end, then copies them.
+
+    `memory_mb`: room for earlier requests' prompts and outputs that `goose` drafts from
+    (`goose.drafting.memory`): one memory per tenant, all within this many MiB together (least recently used
+    sequences dropped first; 0 turns it off); emptied when the weights change.
 
     Failures: an exception in one request's own stage (its cache allocation, prefix attach or store, its
     callbacks) fails that request alone; the step loop itself failing sets `failure` (the reason), fails
@@ -194,11 +199,14 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, method: str | Method = "goose", max_batch: int = _UNSET, config=None,
                  *, forward=None, max_queue: int | None = _UNSET, prefill_chunk: int | None = _UNSET,
-                 prefix_cache_mb: float = _UNSET, thread: bool = True,
+                 prefix_cache_mb: float = _UNSET, memory_mb: float = _UNSET, thread: bool = True,
                  engine_config: EngineConfig | None = None) -> None:
         self.settings = settings = _settings(engine_config, max_batch=max_batch, max_queue=max_queue,
-                                             prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb)
+                                             prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
+                                             memory_mb=memory_mb)
         self.prefixes = PrefixCache(settings.prefix_cache_bytes)  # the step loop's own (see goose.engine.prefix)
+        # earlier requests' prompts and outputs, one memory per tenant (used on the engine's thread only)
+        self.memories = MemoryPool(settings.memory_bytes, (config or GooseConfig()).memory)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_batch, self.max_queue = settings.max_batch, settings.max_queue
         self.prefill_chunk = settings.prefill_chunk
@@ -241,8 +249,9 @@ class Engine:
         no two runs repeat each other). `stop(tokens) -> bool` is asked after every generated token;
         `eos`: stop token ids (default: the model's); `on_tokens(block)` is called on the engine's thread
         with each committed block (an exception there fails this request only). `tenant`: the prefix-cache
-        scope: a request reuses only prefixes stored by requests of the same tenant ("" = the anonymous
-        tenant). Bad input raises GooseError here, before anything is queued."""
+        and suffix-memory scope: a request reuses only prefixes stored, and drafts only from text seen, by
+        requests of the same tenant ("" = the anonymous tenant). Bad input raises GooseError here, before
+        anything is queued."""
         cfg = decode_config(dict(options, max_new_tokens=max_new_tokens))
         if cfg.do_sample and cfg.seed is None:
             cfg = dataclasses.replace(cfg, seed=secrets.randbits(63))
@@ -406,6 +415,7 @@ class Engine:
             running = list(self._running)
         reuse = self.prefixes.max_bytes > 0 and PrefixCache.supports(self.forward)
         for r in admitted:
+            r.slot.method.memory = self.memories.get(r.tenant)
             self._guard(r, "starting the request (cache allocation)", r.slot.begin, self.settings.tree_room)
         if reuse:
             self._share_prefixes([r for r in running if not r.done])
@@ -435,6 +445,7 @@ class Engine:
                 if r.error is not None:  # its `stop` raised
                     r._finish("error", r.error)
                 elif s.done:
+                    self.memories.insert(r.tenant, s.prompt + s.out)
                     r._finish(s.finish_reason)
         with self._cond:
             self._running = [r for r in self._running if not r.done]
@@ -501,6 +512,7 @@ class Engine:
         if not self.forward.stale():
             return
         self.prefixes.clear()  # entries of the old weights
+        self.memories.clear()  # drafts learned from the old weights' outputs
         with self._cond:
             for r in self._running:
                 r._finish("error", GooseError("the model's weights changed while this request was decoded"))

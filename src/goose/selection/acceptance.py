@@ -1,7 +1,8 @@
 """Online acceptance model: P(a draft node is accepted | its parent was accepted).
 
 Nodes are grouped by what is known when drafting: spine nodes by match kind (consensus / long / short
-chain) and depth, branch nodes by adjacency rank and branch depth. Each group keeps Beta-smoothed
+chain) and depth, branch nodes by adjacency rank and branch depth, memory nodes (the cross-request suffix
+memory) by how often their token followed the match (`memory_rank`) and depth. Each group keeps Beta-smoothed
 counts that start from a prior and are updated from every verification, where each node whose parent
 lay on the accepted path is one trial. The expected accepted length of a tree is then the sum over
 nodes of the product of these probabilities along the node's path (independence model).
@@ -12,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from ..config import AcceptanceConfig
-from ..drafting.tree import SPINE, DraftTree, WalkResult
+from ..drafting.tree import MEMORY, SPINE, DraftTree, WalkResult
 
 CONSENSUS, LONG, SHORT = 0, 1, 2
 _SPINE_DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # depth buckets: <=1, <=2, ..., >32
@@ -20,6 +21,19 @@ _SPINE_DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # depth buckets: <=1, <
 
 def match_kind(consensus: bool, chain_len: int) -> int:
     return CONSENSUS if consensus else LONG if chain_len >= 8 else SHORT
+
+
+MEMORY_LONG_MATCH = 8  # memory matches of this many context tokens or more are grouped apart from shorter ones
+
+
+def memory_rank(count: int, total: int, match: int = MEMORY_LONG_MATCH) -> int:
+    """A memory node's group: 0 when all of >= 2 matching occurrences continued with it, 1 when the one
+    occurrence did, 2 when most did, 3 otherwise; plus 4 when the match is shorter than MEMORY_LONG_MATCH."""
+    if count == total:
+        rank = 0 if count >= 2 else 1
+    else:
+        rank = 2 if 2 * count > total else 3
+    return rank if match >= MEMORY_LONG_MATCH else rank + 4
 
 
 def depth_bucket(depth: int, edges: tuple[int, ...]) -> int:
@@ -42,6 +56,8 @@ class AcceptanceModel:
     def _prior(self, key: tuple) -> float:
         if key[0] == "s":
             return self.cfg.spine_prior[key[1]]
+        if key[0] == "m":
+            return self.cfg.memory_prior[key[1]] if key[1] < 4 else self.cfg.memory_short_prior[key[1] - 4]
         rank = key[1]
         return self.cfg.branch_prior[min(rank, len(self.cfg.branch_prior) - 1)]
 
@@ -53,6 +69,8 @@ class AcceptanceModel:
             p = tree.parents[i]
             if tree.sources[i] == SPINE:
                 out.append(("s", kind, _spine_bucket(tree.depths[i])))
+            elif tree.sources[i] == MEMORY:
+                out.append(("m", min(tree.ranks[i], 7), _spine_bucket(tree.depths[i])))
             else:
                 bdepth[i] = bdepth[p] + 1
                 out.append(("b", min(tree.ranks[i], self.cfg.max_rank), min(bdepth[i], self.cfg.max_branch_depth)))
@@ -70,6 +88,20 @@ class AcceptanceModel:
         ancestor's."""
         best = max(self.prob(("b", r, 1)) for r in range(self.cfg.max_rank + 1))
         return max(best, self.prob(("s", kind, _spine_bucket(1)))) if spine else best
+
+    def memory_best(self, rank: int) -> float:
+        """`best_child` for a root whose memory child has group `rank` (adjacency children included)."""
+        best = max(self.prob(("b", r, 1)) for r in range(self.cfg.max_rank + 1))
+        return max(best, self.prob(("m", min(rank, 7), _spine_bucket(1))))
+
+    def memory_reach(self, ranks: list[int], min_prob: float) -> int:
+        """How many leading nodes of a memory spine with groups `ranks` keep a path probability >= `min_prob`."""
+        p = 1.0
+        for d, rank in enumerate(ranks, start=1):
+            p *= self.prob(("m", min(rank, 7), _spine_bucket(d)))
+            if p < min_prob:
+                return d - 1
+        return len(ranks)
 
     def spine_reach(self, kind: int, length: int, min_prob: float) -> int:
         """How many leading nodes of a spine chain of `length` (match `kind`) keep a path probability of at

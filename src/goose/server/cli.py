@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+
 from ..cliargs import add_model_args, int_in, method_name, positive_int, prefix_cache_mb
-from ..config import DEFAULT_PREFIX_CACHE_MB
+from ..config import DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB, EngineConfig
 
 _port = int_in(1, 65535)
 _non_negative_int = int_in(0)
@@ -32,6 +34,14 @@ def secret(flag: str | None, path: str | None, env: str, what: str) -> str | Non
     return os.environ.get(env) or None
 
 
+def _memory_mb(text: str) -> float:
+    """``--memory-mb``: MiB for the engine's suffix memories (`EngineConfig.memory_mb`)."""
+    try:
+        return EngineConfig(memory_mb=float(text)).memory_mb
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc) if "memory_mb" in str(exc) else f"expected a number, got '{text}'")
+
+
 def cmd_serve(args) -> int:
     import sys
 
@@ -47,7 +57,8 @@ def cmd_serve(args) -> int:
                  args.device, served_name=args.served_model_name, drain_timeout=args.drain_timeout,
                  max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
                  weights=getattr(args, "weights", None), prefix_cache_mb=args.prefix_cache_mb,
-                 metrics_key=metrics_key, allowed_hosts=hosts, max_restarts=args.max_restarts)
+                 metrics_key=metrics_key, allowed_hosts=hosts, max_restarts=args.max_restarts,
+                 memory_mb=args.memory_mb)
 
 
 def cmd_bench_serve(args) -> int:
@@ -69,6 +80,9 @@ def register(sub) -> None:
     s.add_argument("--prefix-cache-mb", type=prefix_cache_mb, default=DEFAULT_PREFIX_CACHE_MB,
                    help="room for stored prompt prefixes' keys and values, reused by requests that start with "
                         f"them (a shared system prompt, earlier turns); 0 = off (default {DEFAULT_PREFIX_CACHE_MB})")
+    s.add_argument("--memory-mb", type=_memory_mb, default=DEFAULT_MEMORY_MB,
+                   help="room for earlier requests' prompts and outputs that goose drafts from, one memory per "
+                        f"tenant (API key, user, cache_salt); 0 = off (default {DEFAULT_MEMORY_MB})")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints (visible "
                    "to other local users in the process list: prefer --api-key-file or GOOSE_API_KEY)")
     s.add_argument("--api-key-file", default=None, help="read the API key from the first line of this file")

@@ -124,7 +124,7 @@ class Metrics:
         self.cached_tokens.inc(st.cached_tokens)
         self.generation_tokens.inc(st.new_tokens)
         self.forward_calls.inc(st.forward_calls)
-        for src in ("spine", "branch"):
+        for src in ("spine", "branch", "memory"):  # memory: drafted from earlier requests (the suffix memory)
             self.accepted.labels(src).inc(st.accepted.get(src, 0))
             self.drafted.labels(src).inc(st.drafted.get(src, 0))
         if st.forward_calls:
