@@ -93,14 +93,35 @@ def _dequantized_dir(gguf, key: str, source: dict | None = None) -> Path:
         scratch.mkdir()
         try:
             tmp = scratch / "model"
+            builds = _prebuild_kernels()  # (compiled beside the dequantizing, on another core)
             note(f"first use of '{key}': dequantizing its GGUF weights to float32 into {target} (once)")
-            _dequantize(gguf if isinstance(gguf, Path) else gguf(scratch), tmp)
+            try:
+                _dequantize(gguf if isinstance(gguf, Path) else gguf(scratch), tmp)
+            finally:
+                for b in builds:
+                    b.join()
             (tmp / SOURCE_RECORD).write_text(json.dumps({"key": key, **(source or {})}, indent=2) + "\n",
                                              encoding="utf-8")
             cachefs.replace_dir(tmp, target)
         finally:
             cachefs.remove(scratch)
     return target
+
+
+def _prebuild_kernels() -> list:
+    """Start loading goose's float32 and quantized kernels in background threads (compiled on first use, a
+    compiler process each, under the kernel cache's lock), so a first run's compiling overlaps its
+    dequantizing. Returns the threads, joined before anything else asks for the kernels."""
+    import threading
+
+    from ..backends import cpukernel, quant
+
+    if not cpukernel.runnable_variants() or cpukernel.switched_off():
+        return []
+    builds = [threading.Thread(target=get, daemon=True) for get in (quant.kernels, cpukernel.kernel)]
+    for b in builds:
+        b.start()
+    return builds
 
 
 def _dequantize(gguf: Path, target: Path) -> None:
