@@ -5,7 +5,9 @@ GGUF weights are dequantized once and cached as safetensors under the user cache
 (``$XDG_CACHE_HOME/goose/models``, default ``~/.cache/goose/models``), so later loads take about a second.
 A GGUF file's copy is named by the sha256 of its content (hashed once per path, size and mtime, and
 recorded beside the copy in ``goose-source.json``), so two different files with one name never share a
-copy. Copies are written atomically under a lock (`cachefs`).
+copy. Copies are written atomically under a lock (`cachefs`). Where the GGUF's blocks are kept
+(`weights="gguf"`), their packed panels are cached too (`goose.loading.gguf.cached_gguf_weights`), so a warm
+load packs nothing.
 """
 
 from __future__ import annotations
