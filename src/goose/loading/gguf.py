@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import cachefs
 from ..backends.packed import PackedEmbedding, PackedLinear, fuse_layers
 from ..backends.quant import FORMATS, PANEL, QuantKernels, QuantWeight, kernels_or_none, unavailable_reason
-from .. import cachefs
 from ..errors import GooseError
 from ..paths import cache_root
 from .stream import stream_load
@@ -164,7 +164,8 @@ def _notice(msg: str) -> None:
 
 def use_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, check: bool = True) -> dict:
     """Replace `model`'s projections, embedding and output head by the GGUF file's quantized blocks (where
-    the file holds them in a supported format); returns ``{"packed": [...names], "float32": [...], "bytes": n, "skipped": [...formats without a kernel]}``.
+    the file holds them in a supported format); returns ``{"packed": [...names], "float32": [...], "bytes": n,
+    "skipped": [...formats without a kernel]}``.
 
     The model must be the one transformers loads from this file (config, names, shapes). With `check`, the
     first rows of every tensor are compared with the model's float32 weights before those are released: any
@@ -431,7 +432,8 @@ def _read_panels(model, path: Path, kern: QuantKernels, gguf_name: str) -> dict 
         ref = (e["buffer"], e["offset"], e["nbytes"])
         if ref not in made:
             buf = bufs[e["buffer"]]
-            data = buf if e["offset"] == 0 and e["nbytes"] == buf.numel() else buf[e["offset"]: e["offset"] + e["nbytes"]]
+            whole = e["offset"] == 0 and e["nbytes"] == buf.numel()
+            data = buf if whole else buf[e["offset"]: e["offset"] + e["nbytes"]]
             made[ref] = QuantWeight(kern, e["fmt"], e["n"], e["k"], data)
         parent, _, attr = e["module"].rpartition(".")
         old = model.get_submodule(e["module"])
