@@ -351,6 +351,8 @@ def cached_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None) 
         if done is not None:
             return done
         done = use_gguf_weights(model, gguf, kern, check=False)
+        if not _packed_modules(model):
+            return done  # (nothing in a format with a kernel: nothing to keep)
         try:
             _write_panels(model, path, done)
         except OSError as exc:  # a full or read-only cache: this load works, the next one packs again
