@@ -200,3 +200,9 @@ def test_disturbed_measurement_is_bounded_and_never_cached(tmp_path, budget, cap
     tries = 1 if budget < 5 else costmodel.MEASURE_TRIES  # no second try once the budget is spent
     passes = 1 + (costmodel.MIN_REPEATS if budget < 5 else costmodel.REPEATS)
     assert _grid_passes(fwd) == tries * passes
+
+
+@needs_quant
+def test_a_gguf_without_quantized_tensors_keeps_no_panel_file(tmp_path, fresh_cache):
+    model = _load(write_tiny_gguf(tmp_path / "tiny.gguf"))  # float32 tensors only
+    assert _weights(model) == {} and not list(fresh_cache.glob("*.bin"))
