@@ -16,9 +16,9 @@ def vocabulary() -> list[str]:
     return words[:64] + [f"<extra{i}>" for i in range(64 - len(words[:64]))]
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, seed: int = 0, quant: str | None = None) -> Path:
     """Write a tiny random Llama GGUF (float32 tensors) to `path`; another `seed` gives other weights of
-    the same shapes and byte size."""
+    the same shapes and byte size. `quant` (a GGML type name such as "Q8_0"): its matrices in that format."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -43,7 +43,12 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     w.add_unk_token_id(0)
 
     def t(name: str, *shape: int) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+        value = (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        if quant is None:
+            w.add_tensor(name, value)
+        else:
+            kind = gguf.GGMLQuantizationType[quant]
+            w.add_tensor(name, gguf.quants.quantize(value, kind), raw_dtype=kind)
 
     t("token_embd.weight", len(vocab), HIDDEN)
     for i in range(LAYERS):

@@ -27,8 +27,10 @@ from ..selection.costmodel import BatchCostCurve, CostCurve, monotone
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 REPEATS = 5  # timed passes over the grid (after one warm-up pass); the median of each size is kept
+MIN_REPEATS = 2  # timed passes kept even when the time budget is spent (two give a spread)
 MAX_SPREAD = 1.5  # a measurement whose passes differ more (median over sizes) was disturbed: not cached
 MEASURE_TRIES = 2  # measurements tried before a disturbed one is used uncached
+MEASURE_BUDGET_S = 10.0  # wall seconds for all tries of one curve: past it, passes and tries stop at their minimum
 CONTEXT_ROWS = 8  # rows of the tree timed on a short and a long cache to price a row's cached context
 CONTEXT_FACTOR = 2  # the long cache holds this many times `cache_len` tokens (4x measured the same beta here)
 PROTOCOL = 3  # bumped when the measurement changes, so cached curves are measured again
@@ -90,44 +92,50 @@ def tree_segment(cache, tree: DraftTree):
 
 @torch.inference_mode()
 def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int = REPEATS,
-            sequences: int = 1) -> CostCurve:
+            sequences: int = 1, deadline: float | None = None, clock=time.perf_counter) -> CostCurve:
     """Median ms per forward of `sequences` trees of `n` nodes in all (split as evenly as possible), each on
     top of its own cache of `cache_len` tokens, for each size n >= sequences of `sizes`; made non-decreasing
     in the size (`monotone`). The caches are the measurement's own (`forward.new_cache()`). For one sequence
-    it also prices the cached context (`context_cost`)."""
+    it also prices the cached context (`context_cost`). Past `deadline` (a `clock` time) no pass starts
+    beyond the warm-up and MIN_REPEATS timed ones, so a slow or busy machine measures in bounded time."""
     sizes = tuple(n for n in sizes if n >= sequences)
     caches = prefilled_caches(forward, vocab, sequences, cache_len)
     trees = {(n, i): bushy_tree(n // sequences + (i < n % sequences), vocab) for n in sizes for i in range(sequences)}
     segments = {n: [tree_segment(c, trees[n, i]) for i, c in enumerate(caches)] for n in sizes}
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(repeats + 1):  # the first pass warms up and is discarded
+        if rep > min(MIN_REPEATS, repeats) and deadline is not None and clock() > deadline:
+            break
         for n in sizes:
-            t0 = time.perf_counter()
+            t0 = clock()
             forward.run(segments[n])
-            dt = (time.perf_counter() - t0) * 1e3
+            dt = (clock() - t0) * 1e3
             for c in caches:
                 c.keep([])  # back to the prefix
             if rep:
                 samples[n].append(dt)
     spread = statistics.median(_spread(v) for v in samples.values())
-    context = context_cost(forward, vocab, cache_len, repeats) if sequences == 1 else 0.0
+    context = context_cost(forward, vocab, cache_len, repeats, deadline, clock) if sequences == 1 else 0.0
     return CostCurve(sizes, tuple(monotone([statistics.median(samples[n]) for n in sizes])), context, cache_len,
                      spread)
 
 
-def context_cost(forward, vocab: int, cache_len: int, repeats: int = REPEATS) -> float:
+def context_cost(forward, vocab: int, cache_len: int, repeats: int = REPEATS, deadline: float | None = None,
+                 clock=time.perf_counter) -> float:
     """ms per query row and cached token: a tree of CONTEXT_ROWS nodes timed on a cache of `cache_len` tokens
     and on one of CONTEXT_FACTOR times as many (interleaved, after a warm-up call each), the difference of the
-    medians per row and extra token; never negative."""
+    medians per row and extra token; never negative. `deadline` as in `measure`."""
     caches = [prefilled_caches(forward, vocab, 1, n)[0] for n in (cache_len, CONTEXT_FACTOR * cache_len)]
     tree = bushy_tree(CONTEXT_ROWS, vocab)
     segments = [[tree_segment(c, tree)] for c in caches]
     samples: list[list[float]] = [[], []]
     for rep in range(repeats + 1):
+        if rep > min(MIN_REPEATS, repeats) and deadline is not None and clock() > deadline:
+            break
         for i, c in enumerate(caches):
-            t0 = time.perf_counter()
+            t0 = clock()
             forward.run(segments[i])
-            dt = (time.perf_counter() - t0) * 1e3
+            dt = (clock() - t0) * 1e3
             c.keep([])
             if rep:
                 samples[i].append(dt)
@@ -155,12 +163,14 @@ def _read_curve(path: Path) -> CostCurve | None:
 
 
 def load_or_measure(model, forward, remeasure: bool = False, path: Path | None = None,
-                    sequences: int = 1) -> CostCurve:
+                    sequences: int = 1, budget_s: float = MEASURE_BUDGET_S, clock=time.perf_counter) -> CostCurve:
     """The cached curve for this (model, device, backend), measuring it first if needed.
 
     Measuring holds a lock on the curve's file (`cachefs.lock`), so concurrent processes measure once, not
     at the same time on the same cores, and the file is replaced atomically (a killed measurement leaves
-    the old curve or none, never a torn one)."""
+    the old curve or none, never a torn one). A measurement whose passes varied more than MAX_SPREAD is
+    tried again (at most MEASURE_TRIES in all, none started after `budget_s` seconds) and, if it stays
+    disturbed, used for this run without being cached."""
     vocab = model.get_output_embeddings().weight.shape[0]
     path = path or cache_root() / "cost" / f"{curve_key(model, forward)}{'' if sequences == 1 else f'-x{sequences}'}.json"
     if not remeasure:
@@ -174,8 +184,11 @@ def load_or_measure(model, forward, remeasure: bool = False, path: Path | None =
                 return curve
         cachefs.clean_stale(path.parent)
         note(f"measuring this model's forward cost curve on this machine (once; cached in {path.parent})")
-        for _ in range(MEASURE_TRIES):
-            curve = measure(forward, vocab, sequences=sequences)
+        deadline = clock() + budget_s
+        for attempt in range(MEASURE_TRIES):
+            if attempt and clock() > deadline:
+                break
+            curve = measure(forward, vocab, sequences=sequences, deadline=deadline, clock=clock)
             if curve.spread <= MAX_SPREAD:
                 cachefs.write_text(path, json.dumps(curve.to_json()))
                 return curve

@@ -7,6 +7,9 @@ kernels) and swaps the model's `nn.Linear` / `nn.Embedding` modules for `PackedL
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -15,9 +18,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import cachefs
 from ..backends.packed import PackedEmbedding, PackedLinear, fuse_layers
 from ..backends.quant import FORMATS, PANEL, QuantKernels, QuantWeight, kernels_or_none, unavailable_reason
 from ..errors import GooseError
+from ..paths import cache_root
 from .stream import stream_load
 
 # ---- GGUF -> model --------------------------------------------------------------------------------------
@@ -159,7 +164,8 @@ def _notice(msg: str) -> None:
 
 def use_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, check: bool = True) -> dict:
     """Replace `model`'s projections, embedding and output head by the GGUF file's quantized blocks (where
-    the file holds them in a supported format); returns ``{"packed": [...names], "float32": [...], "bytes": n}``.
+    the file holds them in a supported format); returns ``{"packed": [...names], "float32": [...], "bytes": n,
+    "skipped": [...formats without a kernel]}``.
 
     The model must be the one transformers loads from this file (config, names, shapes). With `check`, the
     first rows of every tensor are compared with the model's float32 weights before those are released: any
@@ -235,6 +241,7 @@ def use_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, che
     if skipped:
         _notice(f"{gguf.name}: {', '.join(sorted(skipped))} tensors have no quantized kernel; they run "
                 "dequantized to float32")
+    done["skipped"] = sorted(skipped)
     return done
 
 
@@ -291,4 +298,187 @@ def _meta_load(path: Path, gguf: Path, attn_implementation: str):
     cfg = AutoConfig.from_pretrained(path)
     if getattr(cfg, "model_type", None) not in ARCHITECTURES:
         raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{cfg.model_type}'")
-    return stream_load(path, attn_implementation, prepare=lambda net: use_gguf_weights(net, gguf, check=False))
+    return stream_load(path, attn_implementation, prepare=lambda net: cached_gguf_weights(net, gguf))
+
+
+# ---- the packed panels, kept on disk --------------------------------------------------------------------
+# `cached_gguf_weights` keeps what `use_gguf_weights` packs (and fuses) in one file per GGUF content and
+# packing code, ``models/panels/<stem>-<sha256[:16]>-<code hash>.bin``, so a warm load reads the panels back
+# with one read instead of packing again. The file: PANEL_MAGIC, the header's length (u64), a JSON header
+# (which modules, formats, shapes and byte ranges), zero padding to PANEL_ALIGN, then each buffer at a
+# multiple of PANEL_ALIGN. Written atomically under a lock (`cachefs`); checked on read against the header,
+# the model and the kernels' sizes, and rebuilt when anything does not match.
+
+PANEL_MAGIC = b"GOOSEPNL"
+PANEL_FORMAT = 1  # bumped when the file layout changes
+PANEL_ALIGN = 64
+PANEL_DIR = "panels"
+
+
+def _code_hash(kern: QuantKernels) -> str:
+    """What the packed bytes depend on besides the GGUF: the file layout, this module's mapping and the
+    kernel source that packs (and its instruction-set variant)."""
+    from ..backends import quant
+
+    h = hashlib.sha1(f"{PANEL_FORMAT}|{kern.variant}|".encode())
+    for src in (Path(__file__), quant.SOURCE):
+        h.update(src.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def panel_cache_path(gguf: Path, kern: QuantKernels) -> Path:
+    """Where the packed panels of `gguf` are kept (named by its content's sha256, hashed once per file
+    version, `goose.loading.model.file_sha256`)."""
+    from .model import file_sha256
+
+    digest = file_sha256(gguf)
+    return cache_root() / "models" / PANEL_DIR / f"{gguf.stem}-{digest[:16]}-{_code_hash(kern)}.bin"
+
+
+def cached_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None) -> dict:
+    """`use_gguf_weights` (without the float32 check: `model` is on the meta device), read from the panel
+    cache when it holds a valid entry for this file, else packed and written there for the next load."""
+    kern = kernels or kernels_or_none()
+    if kern is None:
+        raise GooseError(f"goose's quantized kernels cannot run here: {unavailable_reason()}")
+    gguf = Path(gguf)
+    path = panel_cache_path(gguf, kern)
+    done = _read_panels(model, path, kern, gguf.name)
+    if done is not None:
+        return done
+    with cachefs.lock(path):
+        done = _read_panels(model, path, kern, gguf.name)  # written by another process while this one waited
+        if done is not None:
+            return done
+        done = use_gguf_weights(model, gguf, kern, check=False)
+        if not _packed_modules(model):
+            return done  # (nothing in a format with a kernel: nothing to keep)
+        try:
+            _write_panels(model, path, done)
+        except OSError as exc:  # a full or read-only cache: this load works, the next one packs again
+            _notice(f"cannot keep the packed weights in {path.parent} ({exc.strerror or exc})")
+    return done
+
+
+def _packed_modules(model) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, (PackedLinear, PackedEmbedding)) and isinstance(m.weight, QuantWeight)]
+
+
+def _write_panels(model, path: Path, done: dict) -> None:
+    """Write the packed weights of `model` to `path` atomically (the caller holds its lock); older entries
+    of the same GGUF file name are removed."""
+    buffers: list[torch.Tensor] = []
+    where: dict[int, int] = {}  # data_ptr of a buffer -> its index
+    weights = []
+    for name, mod in _packed_modules(model):
+        w = mod.weight
+        base = w.data if w.data._base is None else w.data._base
+        if base.data_ptr() not in where:
+            where[base.data_ptr()] = len(buffers)
+            buffers.append(base)
+        weights.append({"module": name, "kind": "embedding" if isinstance(mod, PackedEmbedding) else "linear",
+                        "fmt": w.fmt, "n": w.n, "k": w.k, "buffer": where[base.data_ptr()],
+                        "offset": w.data.data_ptr() - base.data_ptr(), "nbytes": w.nbytes})
+    spans, at = [], 0
+    for b in buffers:
+        size = b.numel() * b.element_size()
+        spans.append({"offset": at, "nbytes": size})
+        at += -(-size // PANEL_ALIGN) * PANEL_ALIGN
+    header = json.dumps({"format": PANEL_FORMAT, "name": path.name, "buffers": spans, "weights": weights,
+                         "done": done}).encode()
+    start = -(-(len(PANEL_MAGIC) + 8 + len(header)) // PANEL_ALIGN) * PANEL_ALIGN
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cachefs.clean_stale(path.parent)
+    tmp = cachefs.temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(PANEL_MAGIC + len(header).to_bytes(8, "little") + header)
+            f.write(bytes(start - f.tell()))
+            for b, span in zip(buffers, spans):
+                f.seek(start + span["offset"])
+                f.write(memoryview(b.contiguous().view(torch.uint8).numpy()))
+            f.truncate(start + at)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        cachefs.remove(tmp)
+    same_file = path.name.rsplit("-", 1)[0]  # entries of this GGUF content packed by other versions of goose
+    for old in path.parent.glob(f"{glob.escape(same_file)}-*.bin"):
+        if old != path and len(old.name) == len(path.name):
+            cachefs.remove(old)
+
+
+def _read_panels(model, path: Path, kern: QuantKernels, gguf_name: str) -> dict | None:
+    """Put the panels kept at `path` into `model` (as `use_gguf_weights` with its fusing would) and return
+    its summary; None when there is no entry or it does not match this file, this model or these kernels
+    (then nothing in `model` has changed)."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            blob = torch.empty(size, dtype=torch.uint8)
+            if f.readinto(memoryview(blob.numpy())) != size:
+                return None
+    except OSError:
+        return None
+    plan = _panel_plan(model, path, blob, kern)
+    if plan is None:
+        return None
+    head, done, pieces = plan
+    raw = blob.numpy()
+    bufs = [torch.from_numpy(raw[head + b["offset"]: head + b["offset"] + b["nbytes"]])  # (own base: fusable)
+            for b in pieces["buffers"]]
+    made: dict[tuple, QuantWeight] = {}
+    for e in pieces["weights"]:
+        ref = (e["buffer"], e["offset"], e["nbytes"])
+        if ref not in made:
+            buf = bufs[e["buffer"]]
+            whole = e["offset"] == 0 and e["nbytes"] == buf.numel()
+            data = buf if whole else buf[e["offset"]: e["offset"] + e["nbytes"]]
+            made[ref] = QuantWeight(kern, e["fmt"], e["n"], e["k"], data)
+        parent, _, attr = e["module"].rpartition(".")
+        old = model.get_submodule(e["module"])
+        new = (PackedEmbedding(made[ref], old.padding_idx) if e["kind"] == "embedding"
+               else PackedLinear(made[ref], old.bias))
+        setattr(model.get_submodule(parent), attr, new)
+    if done.get("skipped"):
+        _notice(f"{gguf_name}: {', '.join(done['skipped'])} tensors have no quantized kernel; they run "
+                "dequantized to float32")
+    return done
+
+
+def _panel_plan(model, path: Path, blob: torch.Tensor, kern: QuantKernels):
+    """(data start, summary, header) when the entry in `blob` is whole and fits `model`; else None."""
+    n0 = len(PANEL_MAGIC) + 8
+    raw = bytes(blob[:n0].numpy())
+    if len(raw) < n0 or raw[:len(PANEL_MAGIC)] != PANEL_MAGIC:
+        return None
+    length = int.from_bytes(raw[len(PANEL_MAGIC):], "little")
+    if n0 + length > blob.numel():
+        return None
+    try:
+        header = json.loads(bytes(blob[n0:n0 + length].numpy()))
+        if header["format"] != PANEL_FORMAT or header["name"] != path.name:
+            return None
+        start = -(-(n0 + length) // PANEL_ALIGN) * PANEL_ALIGN
+        spans, weights, done = header["buffers"], header["weights"], header["done"]
+        end = 0
+        for b in spans:
+            if b["offset"] != end or b["nbytes"] <= 0:
+                return None
+            end += -(-b["nbytes"] // PANEL_ALIGN) * PANEL_ALIGN
+        if start + end != blob.numel() or not weights:
+            return None
+        for e in weights:
+            mod = model.get_submodule(e["module"])
+            want = nn.Embedding if e["kind"] == "embedding" else nn.Linear
+            if (type(mod) is not want or e["fmt"] not in FORMATS or tuple(mod.weight.shape) != (e["n"], e["k"])
+                    or e["nbytes"] != kern.packed_bytes(e["fmt"], e["n"], e["k"])
+                    or not 0 <= e["offset"] <= spans[e["buffer"]]["nbytes"] - e["nbytes"]):
+                return None
+        if not isinstance(done, dict) or not isinstance(done.get("packed"), list):
+            return None
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+    return start, done, header

@@ -5,7 +5,9 @@ GGUF weights are dequantized once and cached as safetensors under the user cache
 (``$XDG_CACHE_HOME/goose/models``, default ``~/.cache/goose/models``), so later loads take about a second.
 A GGUF file's copy is named by the sha256 of its content (hashed once per path, size and mtime, and
 recorded beside the copy in ``goose-source.json``), so two different files with one name never share a
-copy. Copies are written atomically under a lock (`cachefs`).
+copy. Copies are written atomically under a lock (`cachefs`). Where the GGUF's blocks are kept
+(`weights="gguf"`), their packed panels are cached too (`goose.loading.gguf.cached_gguf_weights`), so a warm
+load packs nothing.
 """
 
 from __future__ import annotations
@@ -93,14 +95,35 @@ def _dequantized_dir(gguf, key: str, source: dict | None = None) -> Path:
         scratch.mkdir()
         try:
             tmp = scratch / "model"
+            builds = _prebuild_kernels()  # (compiled beside the dequantizing, on another core)
             note(f"first use of '{key}': dequantizing its GGUF weights to float32 into {target} (once)")
-            _dequantize(gguf if isinstance(gguf, Path) else gguf(scratch), tmp)
+            try:
+                _dequantize(gguf if isinstance(gguf, Path) else gguf(scratch), tmp)
+            finally:
+                for b in builds:
+                    b.join()
             (tmp / SOURCE_RECORD).write_text(json.dumps({"key": key, **(source or {})}, indent=2) + "\n",
                                              encoding="utf-8")
             cachefs.replace_dir(tmp, target)
         finally:
             cachefs.remove(scratch)
     return target
+
+
+def _prebuild_kernels() -> list:
+    """Start loading goose's float32 and quantized kernels in background threads (compiled on first use, a
+    compiler process each, under the kernel cache's lock), so a first run's compiling overlaps its
+    dequantizing. Returns the threads, joined before anything else asks for the kernels."""
+    import threading
+
+    from ..backends import cpukernel, quant
+
+    if not cpukernel.runnable_variants() or cpukernel.switched_off():
+        return []
+    builds = [threading.Thread(target=get, daemon=True) for get in (quant.kernels, cpukernel.kernel)]
+    for b in builds:
+        b.start()
+    return builds
 
 
 def _dequantize(gguf: Path, target: Path) -> None:

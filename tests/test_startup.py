@@ -1,0 +1,208 @@
+"""What keeps start-up short: the packed GGUF panels kept on disk (`goose.loading.gguf.cached_gguf_weights`)
+give the weights and logits a fresh pack gives, are rebuilt when damaged and never served for other file
+content; a cost-curve measurement stops in bounded time and never caches a disturbed curve."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from goose.backends import cpukernel, quant
+from goose.engine import measure as costmodel
+from goose.loading import gguf as gguf_file
+from goose.selection.costmodel import CostCurve
+from tiny_gguf import write_tiny_gguf
+
+needs_quant = pytest.mark.skipif(not quant.runnable_variants() or quant.kernels() is None,
+                                 reason=f"quantized kernels: {quant.unavailable_reason()}")
+
+
+# ---- the packed-panel cache -----------------------------------------------------------------------------
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {name: m.weight.data for name, m in model.named_modules()
+            if isinstance(getattr(m, "weight", None), quant.QuantWeight)}
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([[1, 5, 9, 13, 40, 2]])).logits
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    quant.kernels(), cpukernel.kernel()  # loaded from the usual kernel cache before it moves
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "goose" / "models" / gguf_file.PANEL_DIR
+
+
+def _load(path):
+    from goose.loading.model import load_model
+
+    return load_model(str(path))[0]
+
+
+def _entry(panels):
+    entries = sorted(panels.glob("*.bin"))
+    assert len(entries) == 1, entries
+    return entries[0]
+
+
+@needs_quant
+def test_cached_panels_equal_a_fresh_pack(tmp_path, fresh_cache, monkeypatch):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", quant="Q8_0")
+    fresh = _load(src)  # packs, and keeps the panels
+    entry = _entry(fresh_cache)
+    calls = []
+    real = gguf_file.use_gguf_weights
+    monkeypatch.setattr(gguf_file, "use_gguf_weights", lambda *a, **k: calls.append(1) or real(*a, **k))
+    warm = _load(src)
+    assert calls == []  # read back, not packed
+    a, b = _weights(fresh), _weights(warm)
+    assert set(a) == set(b) and len(a) == 2 * 7 + 2  # every projection, the embedding and the output head
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert torch.equal(_logits(fresh), _logits(warm))
+    q, k, v = (warm.model.layers[0].self_attn.get_submodule(p).weight.data for p in ("q_proj", "k_proj", "v_proj"))
+    assert q._base is k._base is v._base is not None  # q/k/v kept fused: one buffer, parts are views of it
+    assert q.data_ptr() + q.numel() == k.data_ptr() and k.data_ptr() + k.numel() == v.data_ptr()
+    assert _entry(fresh_cache) == entry and not [p for p in fresh_cache.iterdir() if ".tmp-" in p.name]
+
+
+@needs_quant
+@pytest.mark.parametrize("damage", ["truncate", "header", "shape", "garbage", "empty"])
+def test_a_damaged_panel_file_is_rebuilt(tmp_path, fresh_cache, damage):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", quant="Q8_0")
+    want = _logits(_load(src))
+    entry = _entry(fresh_cache)
+    good = entry.read_bytes()
+    if damage == "truncate":
+        entry.write_bytes(good[: len(good) - 100])
+    elif damage == "header":
+        entry.write_bytes(good[:10] + b"\xff" * 20 + good[30:])
+    elif damage == "shape":  # a header that parses but does not fit the model
+        n = len(gguf_file.PANEL_MAGIC) + 8
+        length = int.from_bytes(good[len(gguf_file.PANEL_MAGIC):n], "little")
+        header = json.loads(good[n:n + length])
+        header["weights"][0]["n"] *= 2
+        text = json.dumps(header).encode()[:length].ljust(length)
+        entry.write_bytes(good[:n] + text + good[n + length:])
+    elif damage == "garbage":
+        entry.write_bytes(os.urandom(len(good)))
+    else:
+        entry.write_bytes(b"")
+    assert torch.equal(_logits(_load(src)), want)
+    assert entry.read_bytes() == good  # written again, whole
+
+
+@needs_quant
+def test_changed_gguf_content_is_not_served_stale(tmp_path, fresh_cache):
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src, seed=0, quant="Q8_0")
+    first = _load(src)
+    st = src.stat()
+    write_tiny_gguf(src, seed=1, quant="Q8_0")  # same name and size, other weights
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    second = _load(src)
+    other = tmp_path / "other" / "tiny.gguf"
+    other.parent.mkdir()
+    write_tiny_gguf(other, seed=1, quant="Q8_0")
+    assert len(list(fresh_cache.glob("*.bin"))) == 2  # one entry per content
+    ref = _weights(_load(other))  # the same content: the same entry
+    a, b = _weights(first), _weights(second)
+    assert not torch.equal(a["model.layers.0.self_attn.q_proj"], b["model.layers.0.self_attn.q_proj"])
+    assert all(torch.equal(b[n], ref[n]) for n in ref)
+
+
+# ---- the cost-curve measurement's bound -----------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeCache:
+    def reset(self) -> None:
+        pass
+
+    def keep(self, rows) -> None:
+        pass
+
+
+class FakeForward:
+    """A forward whose n-row call takes `ms(n)` of fake time; `noisy` makes every other call of each size 3x
+    slower (passes that disagree, as on a busy machine)."""
+
+    def __init__(self, clock: FakeClock, ms=lambda n: 1.0 + n, noisy: bool = False) -> None:
+        self.clock, self.ms, self.noisy, self.calls = clock, ms, noisy, []
+
+    def new_cache(self) -> FakeCache:
+        return FakeCache()
+
+    def run(self, segments) -> None:
+        n = sum(len(s.tokens) for s in segments)
+        self.calls.append(n)
+        slow = 3.0 if self.noisy and self.calls.count(n) % 2 else 1.0
+        self.clock.now += self.ms(n) * slow / 1e3
+
+
+class FakeModel:
+    class config:  # noqa: N801
+        model_type = "fake"
+
+    def __init__(self) -> None:
+        self.w = torch.nn.Parameter(torch.zeros(2))
+
+    def parameters(self):
+        return iter([self.w])
+
+    def get_output_embeddings(self):
+        return torch.nn.Linear(1, 50)
+
+
+def _grid_passes(fwd: FakeForward) -> int:
+    return fwd.calls.count(costmodel.GRID[-1])  # the largest tree: once per pass over the grid
+
+
+def test_quiet_measurement_uses_every_pass_and_is_cached(tmp_path):
+    clock = FakeClock()
+    fwd = FakeForward(clock)
+    curve = costmodel.load_or_measure(FakeModel(), fwd, path=tmp_path / "c.json", clock=clock)
+    assert _grid_passes(fwd) == costmodel.REPEATS + 1
+    assert curve.ms == pytest.approx(tuple(1.0 + n for n in costmodel.GRID)) and curve.spread == pytest.approx(1.0)
+    assert CostCurve.from_json(json.loads((tmp_path / "c.json").read_text())).ms == curve.ms
+
+
+def test_slow_measurement_stops_at_the_budget(tmp_path):
+    clock = FakeClock()
+    fwd = FakeForward(clock, ms=lambda n: 1000.0)  # a second per forward: a pass is 14 s
+    curve = costmodel.load_or_measure(FakeModel(), fwd, path=tmp_path / "c.json", budget_s=10.0, clock=clock)
+    assert _grid_passes(fwd) == 1 + costmodel.MIN_REPEATS  # warm-up and the minimum, then the budget is spent
+    assert len(curve.sizes) == len(costmodel.GRID) and (tmp_path / "c.json").is_file()  # steady: cached
+    fwd.calls.clear()
+    assert costmodel.load_or_measure(FakeModel(), fwd, path=tmp_path / "c.json", clock=clock) == curve
+    assert fwd.calls == []
+
+
+@pytest.mark.parametrize("budget", [1.0, 1000.0])
+def test_disturbed_measurement_is_bounded_and_never_cached(tmp_path, budget, capsys):
+    clock = FakeClock()
+    fwd = FakeForward(clock, noisy=True)
+    path = tmp_path / "c.json"
+    curve = costmodel.load_or_measure(FakeModel(), fwd, path=path, budget_s=budget, clock=clock)
+    assert curve.spread > costmodel.MAX_SPREAD and not path.exists()
+    assert "not cached" in capsys.readouterr().err
+    tries = 1 if budget < 5 else costmodel.MEASURE_TRIES  # no second try once the budget is spent
+    passes = 1 + (costmodel.MIN_REPEATS if budget < 5 else costmodel.REPEATS)
+    assert _grid_passes(fwd) == tries * passes
+
+
+@needs_quant
+def test_a_gguf_without_quantized_tensors_keeps_no_panel_file(tmp_path, fresh_cache):
+    model = _load(write_tiny_gguf(tmp_path / "tiny.gguf"))  # float32 tensors only
+    assert _weights(model) == {} and not list(fresh_cache.glob("*.bin"))
