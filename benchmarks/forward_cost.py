@@ -8,7 +8,8 @@ cache back (``keep([])``) so every call sees the same prefix. N = 1 is a plain s
 exactly what AR decoding does. Also timed: a plain Hugging Face greedy `model.generate` step (median ms per
 new token, prefill excluded), the reference that speculative decoding has to beat.
 
-    python benchmarks/forward_cost.py [--model smollm2-135m] [--weights float32] [--cache-len 300] [--sizes 1,2,4,8] [--repeats 7]
+    python benchmarks/forward_cost.py [--model smollm2-135m] [--weights float32] [--cache-len 300] \
+        [--sizes 1,2,4,8] [--repeats 7]
 
 On a CPU that runs goose's AVX-512 kernels, a `lean-avx2` column (goose's kernels capped at their AVX2
 variant, ``GOOSE_KERNEL_VARIANT=avx2``) is timed too, with float32 weights (GGUF blocks pick their kernel
@@ -98,7 +99,8 @@ def main() -> None:
         forwards.update({"lean-torch": LeanForward(model, kernel=False),
                          "lean-linear": LeanForward(model, attention_kernel=False)})
         best_kernel = cpukernel.kernel()
-        if best_kernel is not None and best_kernel.variant != "avx2" and not quant.weights_kind(model).startswith("gguf"):
+        gguf = quant.weights_kind(model).startswith("gguf")
+        if best_kernel is not None and best_kernel.variant != "avx2" and not gguf:
             os.environ[cpukernel.ENV_VARIANT] = "avx2"
             try:
                 forwards["lean-avx2"] = LeanForward(model)

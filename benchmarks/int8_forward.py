@@ -19,13 +19,12 @@ import statistics
 import time
 
 import torch
-
 from forward_cost import random_tree
+
 from goose.backends.lean import LeanForward
 from goose.config import DecodeConfig
 from goose.decoding import Decoder
 from goose.loading.model import load_model
-
 
 CLOCK = time.perf_counter
 

@@ -8,7 +8,8 @@ sessions again: the memory holds pass 1's sessions, as for a user or agent who r
 three decoders take turns request by request, so load on the machine affects all of them alike. Every output
 of `goose` must equal `ar`'s.
 
-    .venv/bin/python benchmarks/memory_sessions.py [--limit 1] [--max-new-tokens 96] [--sessions N] [--data question.jsonl]
+    .venv/bin/python benchmarks/memory_sessions.py [--limit 1] [--max-new-tokens 96] [--sessions N] \
+        [--data question.jsonl]
 """
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ from goose.backends.lean import LeanForward
 from goose.backends.packed import PackedEmbedding, PackedLinear
 from goose.backends.quant import QuantKernels
 from goose.bench.concurrency import cpu_name
-from goose.errors import GooseError
 from goose.engine import measure as costmodel
+from goose.errors import GooseError
 from goose.selection.costmodel import CostCurve
 
 

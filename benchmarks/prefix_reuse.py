@@ -52,8 +52,9 @@ def main() -> None:
     doc = max(questions, key=lambda q: len(q.turns[0]))
     prompts = [encode_chat(tok, [{"role": "system", "content": doc.turns[0]}, {"role": "user", "content": q.turns[0]}])
                for q in questions if q is not doc]
+    system_len = len(encode_chat(tok, [{"role": "system", "content": doc.turns[0]}]))
     print(f"{args.model}, method {args.method}, {args.threads} threads, CPU: {cpu_name()}; {len(prompts)} requests of "
-          f"{min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens sharing a {len(encode_chat(tok, [{'role': 'system', 'content': doc.turns[0]}]))}-token "
+          f"{min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens sharing a {system_len}-token "
           f"system prompt, {args.max_new_tokens} new tokens; median of {args.rounds} alternating rounds\n")
     print("| concurrency | prefix cache | TTFT p50 / p95 (s) | tokens/s | prompt tokens cached | outputs equal |")
     print("|---|---|---|---|---|---|")

@@ -10,7 +10,8 @@ Requests run one after another (batch 1), each proposer keeping what it learnt, 
 vllm`. The outputs come from goose's `ar` on the same model (the tokens vLLM plain gives, up to near-ties),
 computed once and cached in --outputs.
 
-    .venv-vllm/bin/python benchmarks/proposer_replay.py --dataset humaneval,spec-bench:../shared/data/spec_bench/question.jsonl --limit 1
+    .venv-vllm/bin/python benchmarks/proposer_replay.py \
+        --dataset humaneval,spec-bench:../shared/data/spec_bench/question.jsonl --limit 1
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ def main() -> None:
         print(f"slope {slope}: {len(reqs)} requests, {tokens} tokens; plain = {plain} steps")
         for name, (st, dr, cost, spent) in rows.items():
             ms = cost * args.step_ms + spent * 1e3
-            print(f"  {name:8s} steps {st:5d}  drafted {dr:6d}  cost {cost:8.1f} steps  proposer {spent * 1e3:7.1f} ms  "
+            print(f"  {name:8s} steps {st:5d}  drafted {dr:6d}  cost {cost:8.1f} steps  "
+                  f"proposer {spent * 1e3:7.1f} ms  "
                   f"speed-up vs plain {plain * args.step_ms / ms:5.2f}x")
 
 

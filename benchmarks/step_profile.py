@@ -2,7 +2,8 @@
 
 Runs each method on a few Spec-Bench questions (chat template) with the generic Hugging Face forward
 (alone and with its linear layers on goose's kernel) and with the lean forward (on PyTorch's kernels, on
-goose's linear kernel with PyTorch's attention, and on goose's linear and attention kernels), and prints ms per step by stage and the share of the step spent outside the
+goose's linear kernel with PyTorch's attention, and on goose's linear and attention kernels), and prints ms per step
+by stage and the share of the step spent outside the
 forward. A long-prompt run shows that drafting cost does not grow with the context (incremental
 indexes, no rescans).
 
@@ -62,7 +63,8 @@ def main() -> None:
     args = ap.parse_args()
     model, tok = load_model(args.model, pack=False)  # (HF and PyTorch kernels are timed too)
     texts = prompts(args.prompts)
-    backends = {"hf": lambda m: HFForward(m, kernel=False), "hf+kernel": HFForward}  # generic; linears on goose's kernel
+    # generic forward; "hf+kernel": its linears on goose's kernel
+    backends = {"hf": lambda m: HFForward(m, kernel=False), "hf+kernel": HFForward}
     if lean_supports(model):
         backends["lean-torch"] = lambda m: LeanForward(m, kernel=False)  # PyTorch's kernels
         backends["lean-linear"] = lambda m: LeanForward(m, attention_kernel=False)  # goose's linear kernel only
@@ -84,7 +86,8 @@ def main() -> None:
         res = dec.generate(text, 32)
         steps = max(1, len(res.stats.tree_sizes))
         print(f"goose draft ms/step with a {label} prompt ({res.stats.prompt_tokens} tokens): "
-              f"{res.stats.stage_ms.get('draft', 0.0) / steps:.2f}  (harvest {res.stats.stage_ms.get('harvest', 0.0) / steps:.2f})")
+              f"{res.stats.stage_ms.get('draft', 0.0) / steps:.2f}  "
+              f"(harvest {res.stats.stage_ms.get('harvest', 0.0) / steps:.2f})")
 
 
 if __name__ == "__main__":

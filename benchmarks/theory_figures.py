@@ -17,8 +17,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from goose.theory import (CPU_COST_MS, SPINE, TwoSourceModel, best_isotropic, best_size,  # noqa: E402
-                          expected_accepted, goose_tree, optimal_tree, optimal_values)
+from goose.theory import (  # noqa: E402
+    CPU_COST_MS,
+    SPINE,
+    TwoSourceModel,
+    best_isotropic,
+    best_size,
+    expected_accepted,
+    goose_tree,
+    optimal_tree,
+    optimal_values,
+)
 
 RATIOS = [1, 1.5, 2, 3, 4, 6, 8, 12, 18]
 BUDGETS = [4, 8, 16, 32, 60, 100]

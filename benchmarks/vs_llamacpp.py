@@ -126,11 +126,11 @@ def main() -> None:
         worker(args)
         return
 
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
     from goose.bench import datasets  # noqa: PLC0415
     from goose.bench.vllm_engine import cpu_model  # noqa: PLC0415
     from goose.decoding import encode  # noqa: PLC0415
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
     from goose.loading.model import gguf_source, model_dir  # noqa: PLC0415
 
     gguf = gguf_source(args.model)
@@ -141,7 +141,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     job = out / "job.json"
-    job.write_text(json.dumps({"gguf": str(gguf), "model": args.model, "prompts": prompts, "max_new": args.max_new_tokens,
+    job.write_text(json.dumps({"gguf": str(gguf), "model": args.model, "prompts": prompts,
+                               "max_new": args.max_new_tokens,
                                "threads": args.threads}))
     results = {}
     for name in args.engines.split(","):

@@ -293,8 +293,8 @@ def test_import_goose_is_light_and_names_resolve():
 def test_light_names_match_the_engine():
     """The command line's copies of names (checked without importing the engine) equal the engine's."""
     from goose import cliargs
-    from goose.engine.methods import METHODS
     from goose.config import DEFAULT_PREFIX_CACHE_MB, EngineConfig
+    from goose.engine.methods import METHODS
 
     assert cliargs.METHODS == METHODS
     assert EngineConfig().prefix_cache_mb == DEFAULT_PREFIX_CACHE_MB

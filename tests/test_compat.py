@@ -14,10 +14,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from conftest import make_tiny_llama  # noqa: E402
+from goose import Engine  # noqa: E402
 from serving import live_server  # noqa: E402
 from test_server import TIMEOUT, raw, wait_idle  # noqa: E402
-
-from goose import Engine  # noqa: E402
 
 PROMPT = [17, 923, 4410, 88, 3001, 42, 5, 777, 1203, 64]  # token ids (completions accept them)
 N = 12

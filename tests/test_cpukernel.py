@@ -83,7 +83,8 @@ def test_variant_can_be_capped_by_environment(monkeypatch):
 
 @needs_kernel
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 40), k=st.integers(1, 90), n=st.integers(1, 70), mode=st.sampled_from(["plain", "norm", "gated"]),
+@given(m=st.integers(1, 40), k=st.integers(1, 90), n=st.integers(1, 70),
+       mode=st.sampled_from(["plain", "norm", "gated"]),
        bias=st.booleans(), accumulate=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_variants_are_bit_identical(m, k, n, mode, bias, accumulate, seed):
     """Every variant gives the same bits (same packed layout, same FMA chain per output), with the fused
@@ -291,7 +292,8 @@ def test_topk_matches_a_stable_sort(n, v, k, levels, pad, seed):
     """Values in descending order, ties to the lower index (a stable sort of -x), rows with a stride."""
     k = min(k, v)
     g = torch.Generator().manual_seed(seed)
-    wide = torch.randn(n, v + pad, generator=g) if levels == 0 else torch.randint(0, levels, (n, v + pad), generator=g).float()
+    wide = torch.randn(n, v + pad, generator=g) if levels == 0 else \
+        torch.randint(0, levels, (n, v + pad), generator=g).float()
     x = wide[:, :v]  # rows of stride v + pad
     vals, ids = KERNEL.topk(x, k)
     order = torch.sort(-x, dim=-1, stable=True).indices[:, :k]

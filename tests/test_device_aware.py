@@ -14,10 +14,10 @@ from conftest import hf_greedy, make_tiny_llama
 from goose.backends.forward import HFForward
 from goose.config import AcceptanceConfig, EngineConfig
 from goose.drafting.tree import BRANCH, SPINE, DraftTree
-from goose.engine.verify import WalkResult
 from goose.engine import measure as costmodel
-from goose.selection.acceptance import CONSENSUS, SHORT, AcceptanceModel
 from goose.engine.measure import load_or_measure, measure
+from goose.engine.verify import WalkResult
+from goose.selection.acceptance import CONSENSUS, SHORT, AcceptanceModel
 from goose.selection.costmodel import BatchCostCurve, CostCurve, monotone
 from goose.selection.selector import path_probs, select
 

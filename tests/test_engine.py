@@ -76,7 +76,8 @@ def test_batched_steps_equal_greedy_alone(models, data):
                 s.begin()
                 slots[i] = s
                 live.append((i, s, t))
-        live = [(i, s, t0) for i, s, t0 in live if not s.done and not (plan[i]["cancel"] and t - t0 >= plan[i]["cancel"])]
+        live = [(i, s, t0) for i, s, t0 in live
+                if not s.done and not (plan[i]["cancel"] and t - t0 >= plan[i]["cancel"])]
         if not live and t > 6:
             break
         step(fwd, [s for _, s, _ in live], cost, budget)

@@ -131,7 +131,8 @@ def test_kill_during_dequantization_then_rerun(raced, gguf_file, tmp_path, monke
         p = spawn(["dequantize", str(gguf_file)], cache)
         wait_ready(p)
         kill_after(p, delay)
-        for d in (x for x in (models.iterdir() if models.is_dir() else []) if x.is_dir() and cachefs.TMP_TAG not in x.name):
+        entries = models.iterdir() if models.is_dir() else []
+        for d in (x for x in entries if x.is_dir() and cachefs.TMP_TAG not in x.name):
             assert _complete(d), f"killed at {delay}s: incomplete model folder {d.name} in place"
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     got = weights(model_dir(str(gguf_file)))
@@ -167,9 +168,9 @@ def test_gguf_copies_are_keyed_by_content(tmp_path, monkeypatch):
 
 def test_damaged_model_copy_is_rebuilt(raced, gguf_file, tmp_path, monkeypatch):
     """A copy damaged from outside (config.json torn) is never used: it is dequantized again."""
-    from goose.loading.model import model_dir
-
     import shutil
+
+    from goose.loading.model import model_dir
 
     cache = tmp_path / "cache"
     shutil.copytree(raced["cache"], cache)

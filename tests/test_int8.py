@@ -62,10 +62,10 @@ def decode(fmt: str, raw: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.n
     # Q6_K
     ql, qh = b[..., :128].astype(np.int64), b[..., 128:192].astype(np.int64)
     i = np.arange(256)
-    half, l, quarter = i // 128, i % 32, (i % 128) // 32
-    lb = ql[..., 64 * half + 32 * (quarter & 1) + l]
+    half, lane, quarter = i // 128, i % 32, (i % 128) // 32
+    lb = ql[..., 64 * half + 32 * (quarter & 1) + lane]
     low = np.where(quarter < 2, lb & 15, lb >> 4)
-    high = (qh[..., 32 * half + l] >> (2 * quarter)) & 3
+    high = (qh[..., 32 * half + lane] >> (2 * quarter)) & 3
     q = (low | (high << 4)) - 32
     s = _halves(b, 208)[..., None] * b[..., 192:208].view(np.int8).astype(F32)
     return 16, q.reshape(n, -1), s.reshape(n, -1), None
@@ -351,7 +351,6 @@ def test_lean_forward_int8_runs_the_integer_kernels_in_its_plan(fmt):
        n_new=st.integers(1, 32), fmt=st.sampled_from(["Q4_1", "Q8_0"]))
 def test_every_method_equals_ar_in_int8(prompt, reps, n_new, fmt):
     from conftest import method_for
-
     from goose.config import DecodeConfig
     from goose.decoding import Decoder
     from goose.engine.methods import METHODS

@@ -5,12 +5,17 @@ Python sources are in the vLLM venv); the worker itself needs SGLang's kernels (
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
-from goose.integrations.sglang import (GooseTreeDrafter, accepted_path, batch_to_sglang, parents_from_mask,
-                                       tree_to_sglang)
 from goose.drafting.tree import BRANCH, SPINE, DraftTree
+from goose.integrations.sglang import (
+    GooseTreeDrafter,
+    accepted_path,
+    batch_to_sglang,
+    parents_from_mask,
+    tree_to_sglang,
+)
+
 
 def random_tree(rng: np.random.Generator, n: int, vocab: int = 50) -> DraftTree:
     tree = DraftTree.root(int(rng.integers(vocab)))

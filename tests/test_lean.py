@@ -424,8 +424,8 @@ def test_cache_sized_once_for_the_expected_length():
 
 
 def test_decoder_sizes_each_request_cache_for_prompt_and_max_new_tokens(monkeypatch):
-    from goose.engine import step as step_mod
     from goose.backends.lean import LeanCache
+    from goose.engine import step as step_mod
 
     seen = []
     orig = LeanCache.expect

@@ -115,7 +115,8 @@ def test_lookahead_equals_greedy_generate(tiny_model, prompt, max_new, w, n, g, 
     ref = hf_greedy(tiny_model, prompt, max_new)
     method = Lookahead(LookaheadConfig(window=w, ngram_size=n, guess_set_size=g))
     fwd = HFForward(tiny_model) if backend == "hf" else LeanForward(tiny_model)
-    out, stats = Decoder(tiny_model, None, method, forward=fwd).generate_ids(prompt, DecodeConfig(max_new_tokens=max_new))
+    dec = Decoder(tiny_model, None, method, forward=fwd)
+    out, stats = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=max_new))
     assert out == ref
     assert len(out) == max_new or out[-1] == TINY_EOS
 

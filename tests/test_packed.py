@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_tiny_llama
 from goose.backends import cpukernel, packed
 from goose.backends.cpukernel import CpuKernels
 from goose.backends.lean import LeanForward

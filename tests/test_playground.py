@@ -14,9 +14,8 @@ openai = pytest.importorskip("openai")
 sync_api = pytest.importorskip("playwright.sync_api")
 
 from conftest import make_tiny_llama  # noqa: E402
-from serving import live_server  # noqa: E402
-
 from goose import Engine  # noqa: E402
+from serving import live_server  # noqa: E402
 
 CHROMIUM = os.environ.get("GOOSE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium (apt-get install chromium; .ci/run does)")
@@ -56,7 +55,8 @@ def test_playground_streams_coloured_tokens_equal_to_the_api(served, tmp_path):
             page.click("#send")
             page.wait_for_selector("#verdict[data-state=done]", timeout=120_000)
             verdict = page.inner_text("#verdict")
-            spans = page.eval_on_selector_all("#out-goose span.tok", "els => els.map(e => [e.textContent, e.dataset.source])")
+            spans = page.eval_on_selector_all("#out-goose span.tok",
+                                              "els => els.map(e => [e.textContent, e.dataset.source])")
             off_text = page.eval_on_selector("#out-off", "e => e.textContent")
             stats = page.inner_text("#stats-goose")
             page.screenshot(path=str(tmp_path / "playground.png"))

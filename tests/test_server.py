@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -21,10 +20,9 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from conftest import TINY_EOS, hf_greedy, make_tiny_llama  # noqa: E402
-from serving import live_server  # noqa: E402
-
 from goose import Engine  # noqa: E402
 from goose.decoding import encode_chat  # noqa: E402
+from serving import live_server  # noqa: E402
 
 TIMEOUT = 60  # seconds any one request may take
 

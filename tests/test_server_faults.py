@@ -23,12 +23,11 @@ from hypothesis import strategies as st
 pytest.importorskip("fastapi")
 
 from conftest import TINY_EOS, hf_greedy, make_tiny_llama  # noqa: E402
-from serving import live_server  # noqa: E402
-
 from goose import Engine, GooseError  # noqa: E402
 from goose.engine import scheduler  # noqa: E402
 from goose.server.app import MAX_STOP_CHARS, ApiError, Serving, TextEmitter  # noqa: E402
 from goose.server.schema import CompletionRequest  # noqa: E402
+from serving import live_server  # noqa: E402
 
 TIMEOUT = 60
 

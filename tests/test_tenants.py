@@ -89,11 +89,11 @@ def test_tenants_admitted_together_do_not_wait_for_each_other(model32):
 def test_tenants_through_the_api():
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
-    from serving import live_server
     from transformers import AutoTokenizer
 
     from goose.decoding import encode_chat
     from goose.loading.model import model_dir
+    from serving import live_server
 
     tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
     model = make_tiny_llama(dtype=torch.float32, vocab=len(tok), seed=2)

@@ -8,10 +8,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from goose.theory import (BRANCH, ROOT, SPINE, Tree, TwoSourceModel, best_isotropic, best_size,
-                          best_subtree, branch_only, expected_accepted, goose_tree, interp_cost,
-                          isotropic_tree, optimal_tree, optimal_values, spine_only, CPU_COST_MS)
-
+from goose.theory import (
+    BRANCH,
+    CPU_COST_MS,
+    ROOT,
+    SPINE,
+    Tree,
+    TwoSourceModel,
+    best_isotropic,
+    best_size,
+    best_subtree,
+    branch_only,
+    expected_accepted,
+    goose_tree,
+    interp_cost,
+    isotropic_tree,
+    optimal_tree,
+    optimal_values,
+    spine_only,
+)
 
 # ---------------------------------------------------------------- brute force (independent of theory.py)
 

@@ -110,8 +110,8 @@ class _Parser(argparse.ArgumentParser):
 
 def cmd_profile(args) -> int:
     from .backends import cpukernel
-    from .engine.measure import load_or_measure
     from .decoding import default_forward
+    from .engine.measure import load_or_measure
     from .loading.model import load_model
 
     model, _ = load_model(args.model, args.dtype, args.device, weights=args.weights)

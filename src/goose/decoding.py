@@ -18,15 +18,23 @@ import torch
 
 from .config import DEFAULT_MEMORY_MB, DecodeConfig, GooseConfig, check_memory_mb
 from .drafting.memory import SuffixMemory
-from .selection.costmodel import BatchCostCurve, CostCurve
-from .engine.step import Slot, step
-from .errors import GooseError
 from .engine.methods import Method, make_method
 from .engine.requests import (  # noqa: F401  (re-exported: part of the public API)
-    GenerationResult, context_limit, decode_config, default_forward, encode, encode_chat, eos_ids, id_set,
-    text_pieces)
+    GenerationResult,
+    context_limit,
+    decode_config,
+    default_forward,
+    encode,
+    encode_chat,
+    eos_ids,
+    id_set,
+    text_pieces,
+)
 from .engine.sampling import Chooser
 from .engine.stats import Stats
+from .engine.step import Slot, step
+from .errors import GooseError
+from .selection.costmodel import BatchCostCurve, CostCurve
 
 
 class Decoder:
@@ -123,7 +131,8 @@ class Decoder:
         this decoder is paused (an unfinished stream) gets its own copy of the method's per-request state."""
         fwd = self._fresh_forward()
         method = self.method if not self._live else self.method.fork()
-        slot = Slot(list(prompt), cfg, method, fwd.new_cache(), eos, context_limit(self.model), chooser, stop, stats=stats)
+        slot = Slot(list(prompt), cfg, method, fwd.new_cache(), eos, context_limit(self.model), chooser, stop,
+                    stats=stats)
         cost = None if method.cost is None else BatchCostCurve.single(method.cost)
         self._live += 1
         try:

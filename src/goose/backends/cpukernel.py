@@ -106,7 +106,8 @@ def build_library(source: Path, variant: str) -> tuple[ctypes.CDLL | None, Path 
     if variant not in VARIANTS:
         return None, None, f"unknown variant '{variant}'; variants: {', '.join(ORDER)}"
     if variant not in runnable_variants():
-        return None, None, f"this CPU cannot run the {variant} variant (needs {', '.join(sorted(VARIANTS[variant][1]))})"
+        needs = ", ".join(sorted(VARIANTS[variant][1]))
+        return None, None, f"this CPU cannot run the {variant} variant (needs {needs})"
     if not _gnu_openmp_loaded():
         return None, None, "torch does not run on GNU OpenMP (libgomp) here"
     cxx = _compiler()
@@ -369,7 +370,8 @@ class AttentionStep:
                 or (allowed is not None and allowed.shape != (n, n))):
             raise ValueError("attention: inconsistent shapes")
         self._keep = [t.contiguous() for t in (cos, sin)]  # alive as long as the step
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*self._keep, cache)) or not cache.is_contiguous():
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*self._keep, cache)) \
+                or not cache.is_contiguous():
             raise ValueError("attention needs float32 CPU tensors and a contiguous cache")
         if allowed is not None and not bool(allowed.diagonal().all()):
             raise ValueError("attention: every new token must see itself (allowed[i, i])")

@@ -18,8 +18,8 @@ chunked attention...) and mixed models without that dict form are refused.
 from __future__ import annotations
 
 import inspect
-from itertools import chain
 from contextlib import contextmanager, nullcontext
+from itertools import chain
 
 import torch
 from transformers import DynamicCache

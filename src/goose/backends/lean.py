@@ -233,7 +233,8 @@ class _Layer:
     def __init__(self, layer, prepack: bool, gemv: bool, kernel: CpuKernels | None) -> None:
         a, m = layer.self_attn, layer.mlp
         self.ln1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
-        self.ln2, self.eps2 = layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon
+        post = layer.post_attention_layernorm
+        self.ln2, self.eps2 = post.weight.detach(), post.variance_epsilon
         qkv = [a.q_proj, a.k_proj, a.v_proj]
         self.qkv = _Linear(_cat_weights(qkv), _cat_bias(qkv), prepack, gemv, kernel)  # [(H+2K)D, hid]
         self.o = _Linear(a.o_proj.weight, a.o_proj.bias, prepack, gemv, kernel)  # [hid, H*D]
@@ -297,7 +298,8 @@ class LeanForward(Forward):
                              "only goose's kernel multiplies; load it with pack=False for PyTorch's kernels")
         self.layers = [_Layer(layer, self.prepacked, self.gemv, kern) for layer in base.layers]
         self.norm, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
-        self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias, self.prepacked, self.gemv, kern)  # [vocab, hid]
+        # [vocab, hid]
+        self.lm_head = _Linear(model.lm_head.weight, model.lm_head.bias, self.prepacked, self.gemv, kern)
         # goose's attention kernel along with its linear kernel (head dims that are a multiple of 8)
         self.attn_kernel = kern if (kern is not None and attention_kernel
                                     and cpukernel.attention_reason(self.head_dim, self.dtype) is None) else None
@@ -433,7 +435,8 @@ class LeanForward(Forward):
             if L.qk_norm is not None:  # qwen3: per-head q/k RMSNorm, before RoPE
                 qw, qe, kw, ke = L.qk_norm
                 qk = qkv[:, : (H + K) * D].view(-1, H + K, D)
-                qkv[:, : (H + K) * D] = torch.cat([_rms(qk[:, :H], qw, qe), _rms(qk[:, H:], kw, ke)], 1).view(len(x), -1)
+                normed = torch.cat([_rms(qk[:, :H], qw, qe), _rms(qk[:, H:], kw, ke)], 1)
+                qkv[:, : (H + K) * D] = normed.view(len(x), -1)
             if one:
                 a = attends[0](li, qkv)  # [N, H*D]
             elif batch is not None:  # every segment's attention in one kernel call
@@ -553,7 +556,8 @@ class LeanCache(KVCache):
         cache."""
         if self.kv is None:
             self.reset()
-        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != self.shape or kv.dtype != self.dtype:
+        shape = (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) if kv.dim() == 5 else None
+        if shape != self.shape or kv.dtype != self.dtype:
             raise GooseError(f"cache entries of shape {list(kv.shape)} / {kv.dtype} do not fit this cache")
         n = kv.shape[3]
         self._len = 0

@@ -3,8 +3,8 @@
 A GGUF file stores most weight matrices as blocks of small integers with half-float scales (Q8_0, Q4_0,
 Q4_1, Q4_K, Q6_K here). `goose.loading.gguf.use_gguf_weights` packs each such tensor once into goose's panel layout (one
 copy: the float32 weight it replaces is released) and swaps the model's `nn.Linear` / `nn.Embedding`
-modules for `PackedLinear` / `PackedEmbedding` (`goose.backends.packed`), which multiply with the blocks directly: a step reads the
-quantized bytes (~98 MB for SmolLM2's Q4_1 file) instead of 538 MB of float32.
+modules for `PackedLinear` / `PackedEmbedding` (`goose.backends.packed`), which multiply with the blocks
+directly: a step reads the quantized bytes (~98 MB for SmolLM2's Q4_1 file) instead of 538 MB of float32.
 
 What is guaranteed (tests check each point):
 

@@ -23,7 +23,8 @@ root), 4 and 5 are level 1 (under columns 0 and 1 of level 0)::
                           4 [ 1 . 1 . 1 . ]       P + 2   level 1, column 0
                           5 [ 1 . 1 1 . 1 ]       P + 3   level 1, column 1
 
-Everything is cached by the parent tuple (a tree's `topology()`: plain data, so no tree type is needed here), extras included. The model gets an
+Everything is cached by the parent tuple (a tree's `topology()`: plain data, so no tree type is needed here),
+extras included. The model gets an
 additive float mask: 0 where allowed, ``finfo(dtype).min`` elsewhere (a boolean mask is silently wrong
 under eager attention).
 

@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 from .. import cachefs
-from ..config import DecodeConfig
+from ..config import DEFAULT_PREFIX_CACHE_MB, DecodeConfig
 from ..decoding import Decoder, encode
-from ..config import DEFAULT_PREFIX_CACHE_MB
 from ..engine.scheduler import Engine
 
 

@@ -320,7 +320,8 @@ def corpus(source: str, max_docs: int | None = None) -> Iterator[str]:
         path = Path(source).expanduser()
         if not path.exists():
             raise GooseError(f"unknown source '{source}': choose {', '.join(SOURCES)} or an existing folder/file")
-        gen = _files(path, CODE_SUFFIXES) if path.is_dir() else iter([path.read_text(encoding="utf-8", errors="replace")])
+        gen = _files(path, CODE_SUFFIXES) if path.is_dir() else \
+            iter([path.read_text(encoding="utf-8", errors="replace")])
     n = 0
     for doc in gen:
         if max_docs is not None and n >= max_docs:

@@ -87,7 +87,9 @@ def prefilled_caches(forward, vocab: int, count: int, cache_len: int) -> list:
 
 def tree_segment(cache, tree: DraftTree):
     """The forward's segment verifying `tree` on `cache` (no mask for a single node)."""
-    return Segment(cache, tree.tokens, *((tree_depths(tree.topology()), ancestor_mask(tree.topology())) if len(tree) > 1 else ()))
+    if len(tree) == 1:
+        return Segment(cache, tree.tokens)
+    return Segment(cache, tree.tokens, tree_depths(tree.topology()), ancestor_mask(tree.topology()))
 
 
 @torch.inference_mode()
@@ -172,7 +174,8 @@ def load_or_measure(model, forward, remeasure: bool = False, path: Path | None =
     tried again (at most MEASURE_TRIES in all, none started after `budget_s` seconds) and, if it stays
     disturbed, used for this run without being cached."""
     vocab = model.get_output_embeddings().weight.shape[0]
-    path = path or cache_root() / "cost" / f"{curve_key(model, forward)}{'' if sequences == 1 else f'-x{sequences}'}.json"
+    suffix = "" if sequences == 1 else f"-x{sequences}"
+    path = path or cache_root() / "cost" / f"{curve_key(model, forward)}{suffix}.json"
     if not remeasure:
         curve = _read_curve(path)
         if curve is not None:

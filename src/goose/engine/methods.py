@@ -11,8 +11,16 @@ import copy
 import math
 
 from ..backends.cpukernel import topk_rows
-from ..config import (AdjacencyConfig, DeviceAwareConfig, GooseConfig, IsotropicConfig, LookaheadConfig, PLDConfig,
-                      RestConfig, TRConfig)
+from ..config import (
+    AdjacencyConfig,
+    DeviceAwareConfig,
+    GooseConfig,
+    IsotropicConfig,
+    LookaheadConfig,
+    PLDConfig,
+    RestConfig,
+    TRConfig,
+)
 from ..drafting.adjacency import AdjacencyTable
 from ..drafting.baselines import build_chain, build_isotropic_tree, build_tr_tree, build_trie
 from ..drafting.datastore import Datastore, check_tokenizer

@@ -32,7 +32,6 @@ import itertools
 
 import torch
 
-
 BLOCK = 8  # tokens per stored block
 
 

@@ -27,8 +27,16 @@ from ..errors import GooseError
 from .measure import load_or_measure_batch
 from .methods import Method, make_method
 from .prefix import BLOCK, PrefixCache
-from .requests import GenerationResult, context_limit, decode_config, default_forward, encode, eos_ids, id_set, \
-    text_pieces
+from .requests import (
+    GenerationResult,
+    context_limit,
+    decode_config,
+    default_forward,
+    encode,
+    eos_ids,
+    id_set,
+    text_pieces,
+)
 from .step import DECODE, PREFILL, Slot, step
 
 _END = object()  # end of a request's block queue

@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+
 @dataclass(frozen=True)
 class CostCurve:
     sizes: tuple[int, ...]  # query tokens per forward, ascending
     ms: tuple[float, ...]  # median milliseconds per forward at each size
     context_ms: float = 0.0  # ms more per query row and cached token past `cache_len` (attention reads the prefix)
     cache_len: int = 256  # cached tokens per sequence that `ms` was measured on
-    spread: float = field(default=1.0, compare=False)  # median over sizes of 2nd slowest / 2nd fastest timed pass (1.0 when read from a file)
+    # median over sizes of 2nd slowest / 2nd fastest timed pass (1.0 when read from a file)
+    spread: float = field(default=1.0, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.ms) or not self.sizes or list(self.sizes) != sorted(set(self.sizes)):

@@ -37,10 +37,10 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from ..config import DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB
 from ..decoding import encode_chat
 from ..drafting.tree import BRANCH, SPINE
 from ..engine.methods import METHODS
-from ..config import DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB
 from ..errors import GooseError
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatCompletionRequest, CompletionRequest
@@ -111,8 +111,9 @@ class HostCheck:
             return await self.app(scope, receive, send)
         host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1")
         if host_name(host) not in self.allowed:
-            body = error_body(f"the host {host[:100]!r} is not served here (allowed: {', '.join(sorted(self.allowed))}; "
-                              "see --allowed-hosts)", code="invalid_host")
+            allowed = ", ".join(sorted(self.allowed))
+            body = error_body(f"the host {host[:100]!r} is not served here (allowed: {allowed}; see --allowed-hosts)",
+                              code="invalid_host")
             return await JSONResponse(body, 400)(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -792,7 +793,8 @@ def tune_malloc(arenas: int = MALLOC_ARENAS, mmap_threshold: int = MMAP_THRESHOL
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-8, int(arenas))) and bool(libc.mallopt(-3, int(mmap_threshold)))  # M_ARENA_MAX, M_MMAP_THRESHOLD
+        # -8: M_ARENA_MAX, -3: M_MMAP_THRESHOLD
+        return bool(libc.mallopt(-8, int(arenas))) and bool(libc.mallopt(-3, int(mmap_threshold)))
     except (OSError, AttributeError):
         return False  # not glibc
 

@@ -33,7 +33,6 @@ honours them exactly (docs/serving.md, "vLLM-compatible clients and dashboards")
 from __future__ import annotations
 
 import json
-
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
