@@ -36,6 +36,7 @@ results: $(STAMP)
 	$(BIN)/python -m goose.bench.results $(RESULTS_ARGS)
 
 test: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/ruff check --no-cache .
 	$(BIN)/python -m pytest -q -rs -p no:cacheprovider tests
 	$(MAKE) --no-print-directory test-vllm
 
