@@ -11,6 +11,8 @@ from .loading.packaged import DEFAULT_MODEL, PACKAGED
 
 # goose.engine.methods.METHODS, named here so argument checks and help need not import the engine (torch);
 # tests/test_cli.py keeps the two equal
+# goose.backends.lean.ARITHS, likewise (tests/test_arith.py keeps the two equal)
+ARITHS = ("exact", "int8")
 METHODS = ("ar", "pld", "tr", "iso3", "iso5", "goose-paper", "goose", "lookahead", "rest")
 
 
@@ -24,6 +26,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF sources: gguf = multiply with the file's quantized blocks (same weights, "
                         "bit-identical logits, ~1/5 of the memory); float32 = the dequantized weights "
                         "(default: gguf where it applies)")
+    p.add_argument("--arith", choices=ARITHS, default="exact",
+                   help="exact (default) = float32 products of the weights' values, identical to Hugging Face's "
+                        "float32 model; int8 = 8-bit activations times the GGUF blocks in integers (needs "
+                        "--weights gguf; float32 weights are refused, never quantized). Either is lossless "
+                        "against plain greedy decoding in the same arithmetic")
 
 
 def int_in(low: int, high: int | None = None):
