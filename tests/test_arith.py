@@ -225,6 +225,17 @@ def test_cli_refuses_int8_with_float32_weights_before_loading():
     assert r.returncode == 2 and "int4" in r.stderr
 
 
+def test_serve_and_bench_refuse_int8_with_float32_weights(tmp_path):
+    r = _goose("serve", "--weights", "float32", "--arith", "int8", "--port", "1", timeout=120)
+    assert r.returncode == 2 and 'arith="int8"' in r.stderr and "never quantized" in r.stderr
+    out = tmp_path / "run"
+    r = _goose("bench", "--weights", "float32", "--arith", "int8", "--methods", "ar", "--limit", "1",
+               "--out", str(out), timeout=120)
+    assert r.returncode == 2 and 'arith="int8"' in r.stderr and not out.exists()
+    r = _goose("bench", "--engine", "vllm", "--arith", "int8", "--out", str(out), timeout=120)
+    assert r.returncode == 2 and "vLLM" in r.stderr and not out.exists()
+
+
 def test_load_model_refuses_int8_for_a_float32_folder(tmp_path):
     """A Hugging Face folder holds float32 weights: int8 is refused after the load names them; exact loads."""
     from conftest import make_tiny_llama
