@@ -194,6 +194,25 @@ def test_each_engine_keeps_prefixes_of_its_own_arith_only():
     assert outs["exact"][0] == outs["exact"][1]
 
 
+@needs_int8
+def test_a_mismatch_is_reported_with_logits_of_the_models_arith():
+    from goose.backends.lean import LeanForward
+    from goose.cliargs import first_mismatch
+
+    qmodel, _ = _qmodel("Q8_0")
+    prompt = [5, 9, 17, 33, 60, 61, 62]
+    ref = ar_int8(qmodel, prompt, 6)
+    got = ref[:3] + [(ref[3] + 1) % 128] + ref[4:]
+    qmodel.goose_arith = "int8"
+    try:
+        info = first_mismatch(qmodel, prompt, ref, got)
+    finally:
+        del qmodel.goose_arith
+    logits = LeanForward(qmodel, arith="int8")(prompt + ref[:3])[-1]
+    assert info["position"] == 3 and info["ar_token"] == ref[3] and info["token"] == got[3]
+    assert info["ar_logit"] == float(logits[ref[3]]) == float(logits.max()) and info["logit"] == float(logits[got[3]])
+
+
 # ---- the bench's run directory ----------------------------------------------------------------------------
 
 def test_a_bench_run_is_resumed_only_in_its_own_arith(tmp_path):

@@ -118,16 +118,25 @@ def sampling_options(args) -> dict:
 
 
 def first_mismatch(model, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict:
-    """Where two generations diverge, with both tokens' logits after the common prefix (tie vs bug)."""
+    """Where two generations diverge, with both tokens' logits after the common prefix (tie vs bug), in the
+    model's own arithmetic (``load_model(..., arith=...)``: int8 logits come from goose's int8 forward)."""
     import torch
 
     pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     info = {"position": pos, "ar_token": ref[pos] if pos < len(ref) else None,
             "token": got[pos] if pos < len(got) else None}
     if info["ar_token"] is not None and info["token"] is not None:
+        from .engine.requests import default_forward, model_arith
+
         with torch.inference_mode():
-            ids = torch.tensor([prompt_ids + ref[:pos]], device=model.device)
-            logits = model(ids).logits[0, -1].float()
+            if model_arith(model) != "exact":  # Hugging Face's forward computes in float32
+                fwd = default_forward(model)
+                fwd.reset()  # (its single-sequence cache; requests decode on caches of their own)
+                logits = fwd(prompt_ids + ref[:pos], keep_last=1)[-1].float()
+                fwd.reset()
+            else:
+                ids = torch.tensor([prompt_ids + ref[:pos]], device=model.device)
+                logits = model(ids).logits[0, -1].float()
         info["ar_logit"] = float(logits[info["ar_token"]])
         info["logit"] = float(logits[info["token"]])
     return info
