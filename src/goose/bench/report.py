@@ -76,9 +76,9 @@ def render(summary: dict, plots: list[Path]) -> str:
     meta = summary["meta"]
     v = meta.get("versions", {})
     out = ["# goose bench report", "",
-           f"- model: `{meta.get('model')}` ({meta.get('weights') or meta.get('dtype')} weights, arith {meta.get('arith', 'exact')}, "
-           f"{meta.get('device')}, "
-           f"{meta.get('threads')} threads, {meta.get('processor')})",
+           f"- model: `{meta.get('model')}` ({meta.get('weights') or meta.get('dtype')} weights, "
+           f"arith {meta.get('arith', 'exact')}, {meta.get('device')}, {meta.get('threads')} threads, "
+           f"{meta.get('processor')})",
            f"- dataset: `{meta.get('dataset')}`; {summary['questions']} questions answered by every method; "
            f"max_new_tokens {meta.get('max_new_tokens')}; {'chat template' if meta.get('chat') else 'raw prompts'}; "
            f"{_decoding(meta)}, batch 1; repeats {meta.get('repeats', 1)} (median)",

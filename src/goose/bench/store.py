@@ -2,9 +2,9 @@
 
 Rows are appended and flushed one question at a time, so an interrupted run keeps every finished
 question and a rerun skips them. A run directory belongs to one setting (model, dtype, max_new_tokens,
-chat mode, sampling, goose's arithmetic, and what its timings depend on: threads, device, goose's source and the versions of
-torch and transformers): mixing settings would make its tables meaningless, so a resume with another
-one is refused. A resume keeps run.json's record of the first run and adds its own command.
+chat mode, sampling, goose's arithmetic, and what its timings depend on: threads, device, goose's source
+and the versions of torch and transformers): mixing settings would make its tables meaningless, so a resume
+with another one is refused. A resume keeps run.json's record of the first run and adds its own command.
 """
 
 from __future__ import annotations
