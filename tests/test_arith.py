@@ -275,7 +275,7 @@ def test_load_model_refuses_int8_for_a_float32_folder(tmp_path):
 @pytest.mark.slow
 @needs_int8
 def test_cli_generate_arith_int8_on_the_packaged_model_is_lossless():
-    args = ("generate", "--chat", "--max-new-tokens", "24", "--json", "--verify", "--method", "goose",
+    args = ("generate", "--chat", "--max-new-tokens", "24", "--json", "--verify", "--method", "pld",
             "Write a haiku about the sea.")
     r = _goose(*args, "--arith", "int8")
     assert r.returncode == 0, r.stderr
