@@ -370,22 +370,38 @@ def test_every_method_equals_ar_in_int8(prompt, reps, n_new, fmt):
 @pytest.mark.slow
 @needs_int8
 @pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
-def test_packaged_smollm2_int8_every_method_equals_ar_in_int8():
-    """The packaged SmolLM2 GGUF in int8: goose, goose-paper and pld give exactly the tokens of ar in int8."""
+def test_packaged_smollm2_int8_every_method_equals_ar_in_int8(monkeypatch):
+    """The packaged SmolLM2 GGUF loaded with ``arith="int8"``: goose, goose-paper and pld give exactly the tokens
+    of ar in int8, one request at a time (`Decoder`) and batched on an `Engine` with its prefix cache."""
     from goose.decoding import Decoder
+    from goose.engine.scheduler import Engine
     from goose.loading.model import load_model
+    from goose.selection.costmodel import CostCurve
     from test_quant import REAL_PROMPTS
 
-    q, tok = load_model("smollm2-135m", weights="gguf")
-    fwd = LeanForward(q, arith="int8")
-    assert "+int8-" in fwd.backend and fwd.plan is not None
-    from goose.selection.costmodel import CostCurve
-
+    q, tok = load_model("smollm2-135m", arith="int8")
+    assert q.goose_arith == "int8"
     cost = CostCurve((1, 2, 4, 8, 16, 32), (10, 11, 12, 14, 18, 30))  # given: no curve measured here
-    ref = Decoder(q, tok, "ar", forward=fwd)
-    others = [Decoder(q, tok, m, forward=fwd, cost=cost) for m in ("goose", "goose-paper", "pld")]
-    for text in REAL_PROMPTS[2:4] + REAL_PROMPTS[9:10]:
-        ids = ref.encode(text, chat=True)
-        want = ref.generate(ids, 40).token_ids
+    ref = Decoder(q, tok, "ar")  # the model's arith
+    fwd = ref.forward
+    assert ref.arith == "int8" and "+int8-" in fwd.backend and fwd.plan is not None
+    others = [Decoder(q, tok, m, cost=cost) for m in ("goose", "goose-paper", "pld")]
+    assert all(dec.forward is fwd for dec in others)  # one shared forward per (model, arith)
+    prompts = [ref.encode(text, chat=True) for text in REAL_PROMPTS[2:4] + REAL_PROMPTS[9:10]]
+    wants = [ref.generate(ids, 40).token_ids for ids in prompts]
+    for ids, want in zip(prompts, wants):
         for dec in others:
-            assert dec.generate(ids, 40).token_ids == want, (text[:30], dec)
+            assert dec.generate(ids, 40).token_ids == want, (tok.decode(ids)[:40], dec.method.name)
+    # batched: the chat template's system prompt is a prefix every request shares (taken from the cache); the
+    # batch cost curve is given, not measured (it changes only which nodes are verified, never a token)
+    from goose.engine import scheduler
+    from goose.selection.costmodel import BatchCostCurve
+
+    monkeypatch.setattr(scheduler, "load_or_measure_batch", lambda *a, **k: BatchCostCurve.single(cost))
+    with Engine(q, tok, "goose", max_batch=4, prefill_chunk=64) as eng:
+        assert eng.arith == "int8" and eng.forward is fwd
+        reqs = [eng.submit(ids, 40, method=m) for ids in prompts for m in ("goose", "pld")]
+        results = [r.result(timeout=600) for r in reqs]
+        again = eng.generate(prompts[0], 40, method="goose")  # after the others stored their prefixes
+    assert [r.token_ids for r in results] == [w for w in wants for _ in range(2)]
+    assert again.token_ids == wants[0] and again.stats.cached_tokens > 0

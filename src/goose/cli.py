@@ -71,7 +71,7 @@ def cmd_generate(args) -> int:
     if args.stream and args.verify:
         raise GooseError("--verify compares the finished tokens with ar; it cannot be combined with --stream")
     options = sampling_options(args)
-    model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights)
+    model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=args.arith)
     dec = Decoder(model, tok, args.method)
     ids = dec.encode(prompt, chat=args.chat)
     if args.stream:
@@ -114,7 +114,7 @@ def cmd_profile(args) -> int:
     from .engine.measure import load_or_measure
     from .loading.model import load_model
 
-    model, _ = load_model(args.model, args.dtype, args.device, weights=args.weights)
+    model, _ = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=args.arith)
     fwd = default_forward(model)
     curve = load_or_measure(model, fwd, remeasure=args.remeasure)
     why = cpukernel.unavailable_reason()

@@ -11,6 +11,8 @@ from .loading.packaged import DEFAULT_MODEL, PACKAGED
 
 # goose.engine.methods.METHODS, named here so argument checks and help need not import the engine (torch);
 # tests/test_cli.py keeps the two equal
+# goose.backends.lean.ARITHS, likewise (tests/test_arith.py keeps the two equal)
+ARITHS = ("exact", "int8")
 METHODS = ("ar", "pld", "tr", "iso3", "iso5", "goose-paper", "goose", "lookahead", "rest")
 
 
@@ -24,6 +26,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF sources: gguf = multiply with the file's quantized blocks (same weights, "
                         "bit-identical logits, ~1/5 of the memory); float32 = the dequantized weights "
                         "(default: gguf where it applies)")
+    p.add_argument("--arith", choices=ARITHS, default="exact",
+                   help="exact (default) = float32 products of the weights' values, identical to Hugging Face's "
+                        "float32 model; int8 = 8-bit activations times the GGUF blocks in integers (needs "
+                        "--weights gguf; float32 weights are refused, never quantized). Either is lossless "
+                        "against plain greedy decoding in the same arithmetic")
 
 
 def int_in(low: int, high: int | None = None):
@@ -111,16 +118,25 @@ def sampling_options(args) -> dict:
 
 
 def first_mismatch(model, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict:
-    """Where two generations diverge, with both tokens' logits after the common prefix (tie vs bug)."""
+    """Where two generations diverge, with both tokens' logits after the common prefix (tie vs bug), in the
+    model's own arithmetic (``load_model(..., arith=...)``: int8 logits come from goose's int8 forward)."""
     import torch
 
     pos = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
     info = {"position": pos, "ar_token": ref[pos] if pos < len(ref) else None,
             "token": got[pos] if pos < len(got) else None}
     if info["ar_token"] is not None and info["token"] is not None:
+        from .engine.requests import default_forward, model_arith
+
         with torch.inference_mode():
-            ids = torch.tensor([prompt_ids + ref[:pos]], device=model.device)
-            logits = model(ids).logits[0, -1].float()
+            if model_arith(model) != "exact":  # Hugging Face's forward computes in float32
+                fwd = default_forward(model)
+                fwd.reset()  # (its single-sequence cache; requests decode on caches of their own)
+                logits = fwd(prompt_ids + ref[:pos], keep_last=1)[-1].float()
+                fwd.reset()
+            else:
+                ids = torch.tensor([prompt_ids + ref[:pos]], device=model.device)
+                logits = model(ids).logits[0, -1].float()
         info["ar_logit"] = float(logits[info["ar_token"]])
         info["logit"] = float(logits[info["token"]])
     return info

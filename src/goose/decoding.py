@@ -28,6 +28,8 @@ from .engine.requests import (  # noqa: F401  (re-exported: part of the public A
     encode_chat,
     eos_ids,
     id_set,
+    model_arith,
+    pick_forward,
     text_pieces,
 )
 from .engine.sampling import Chooser
@@ -41,16 +43,21 @@ class Decoder:
     """A model, a method and its configuration; reusable across requests (not thread-safe).
 
     `memory_mb`: MiB for the suffix memory of this decoder's own earlier prompts and outputs, which `goose`
-    drafts from (`goose.drafting.memory`; 0: off); cleared when the model's weights change."""
+    drafts from (`goose.drafting.memory`; 0: off); cleared when the model's weights change.
+    `arith`: the arithmetic of the forward, "exact" (float32 products of the weights' values) or "int8"
+    (8-bit activations times GGUF blocks in integers; models loaded with GGUF blocks only); None (default):
+    the model's own (``load_model(..., arith=...)``, else "exact"), or the given `forward`'s. Every method is
+    lossless against plain greedy decoding in the same arithmetic."""
 
     def __init__(self, model, tokenizer=None, method: str | Method = "goose", config: GooseConfig | None = None,
-                 forward=None, cost: CostCurve | None = None, memory_mb: float = DEFAULT_MEMORY_MB) -> None:
+                 forward=None, cost: CostCurve | None = None, memory_mb: float = DEFAULT_MEMORY_MB, *,
+                 arith: str | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         vocab = model.get_output_embeddings().weight.shape[0]
         self.method = method if isinstance(method, Method) else make_method(method, vocab, config, cost)
         self._own_forward = forward is None
-        self.forward = forward if forward is not None else default_forward(model)
+        self.forward, self.arith = pick_forward(model, forward, arith)
         self.method.prepare(model, self.forward, tokenizer)
         mb = check_memory_mb(memory_mb)
         self.memory = SuffixMemory(int(mb * 2**20), (config or GooseConfig()).memory) if mb > 0 else None
@@ -68,7 +75,7 @@ class Decoder:
             if not self._own_forward:
                 raise GooseError("the model's weights changed since this forward packed them: build a new forward "
                                  "(or let the Decoder choose one) to decode with the current weights")
-            self.forward = default_forward(self.model)
+            self.forward = default_forward(self.model, self.arith)
         return self.forward
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
@@ -165,8 +172,10 @@ class TextStream:
 
 
 def generate(model, tokenizer, prompt_or_ids: str | list[int], method: str = "goose", max_new_tokens: int = 128,
-             chat: bool = False, config: GooseConfig | None = None, streamer=None, **options) -> GenerationResult:
+             chat: bool = False, config: GooseConfig | None = None, streamer=None, *, arith: str | None = None,
+             **options) -> GenerationResult:
     """One-shot convenience: build a Decoder and generate (options: do_sample, temperature, top_k, top_p,
-    seed). Reuse a `Decoder` for many requests: it keeps the method's learned state and cost curve."""
-    return Decoder(model, tokenizer, method, config).generate(prompt_or_ids, max_new_tokens, chat,
+    seed; `arith` as `Decoder`'s). Reuse a `Decoder` for many requests: it keeps the method's learned state
+    and cost curve."""
+    return Decoder(model, tokenizer, method, config, arith=arith).generate(prompt_or_ids, max_new_tokens, chat,
                                                               streamer=streamer, **options)

@@ -54,7 +54,8 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # recorded in run.json as "threads"
     pinned = {"model": model_key(args.model), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-              "chat": args.chat, "sampling": sampling_options(args) or None, "threads": torch.get_num_threads(),
+              "chat": args.chat, "sampling": sampling_options(args) or None, "arith": args.arith,
+              "threads": torch.get_num_threads(),
               "device": str(resolve_device(args.device)), "software": store.software()}
     old = store.read_meta(out) if out.is_dir() else None
     why = store.pinned_conflict(out, old, pinned)  # fail before the (slow) model load
@@ -63,7 +64,8 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     methods = with_reference(args.methods)
     settings = method_settings(methods)  # a missing datastore fails here, before the model load
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
+    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None),
+                            arith=args.arith)
     # Hugging Face's methods run on their own copy: float32 in transformers' modules and kernels
     baseline = load_baseline(args.model, args.dtype, args.device)[0] if any(m in HF_METHODS for m in methods) \
         else None
@@ -107,6 +109,9 @@ def render_dir(out: Path) -> Path:
 
 
 def cmd_bench(args) -> int:
+    if args.engine == "vllm" and args.arith != "exact":
+        raise GooseError("--arith int8 is goose's own arithmetic; vLLM's engine runs its own (drop --arith or "
+                         "--engine vllm)")
     if args.engine == "vllm":  # vLLM's methods and GooseProposer, from the vLLM venv (bench/vllm_engine.py)
         from .vllm_engine import VLLM_METHODS, cmd_bench_vllm
 
@@ -138,7 +143,8 @@ def run_concurrency(args, questions: list) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     methods = list(dict.fromkeys(args.methods + ["ar"]))  # in the order given (ar last unless named)
-    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
+    model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None),
+                            arith=args.arith)
     path = run(model, tok, questions, methods, args.max_new_tokens, args.concurrency or 1, args.rate, args.chat,
                Path(args.out), sampling_options(args), prefix_cache_mb=args.prefix_cache_mb)
     print(f"\nreport: {path}")

@@ -84,11 +84,12 @@ def run(model, tok, questions, methods: list[str], max_new: int, concurrency: in
         row["identical"] = sum(o == r for o, r in zip(row.pop("outputs"), refs))
         rows.append(row)
     from ..backends.quant import weights_kind
+    from ..decoding import model_arith
 
     meta = {"cpu": cpu_name(), "concurrency": concurrency, "rate": rate, "max_new_tokens": max_new,
             "requests": len(prompts), "chat": chat, "sampling": options or None,
             "threads": __import__("torch").get_num_threads(), "weights": weights_kind(model),
-            "prefix_cache_mb": prefix_cache_mb}
+            "arith": model_arith(model), "prefix_cache_mb": prefix_cache_mb}
     out.mkdir(parents=True, exist_ok=True)
     cachefs.write_text(out / "concurrency.json", json.dumps({"meta": meta, "rows": rows}, indent=1))
     table = render(meta, rows)
@@ -100,7 +101,8 @@ def run(model, tok, questions, methods: list[str], max_new: int, concurrency: in
 def render(meta: dict, rows: list[dict]) -> str:
     arrivals = f"Poisson, {meta['rate']}/s" if meta["rate"] else "all at once"
     lines = [f"Concurrency {meta['concurrency']} ({arrivals}), {meta['requests']} requests x "
-             f"{meta['max_new_tokens']} new tokens, {meta.get('weights', '?')} weights, {meta['threads']} threads, "
+             f"{meta['max_new_tokens']} new tokens, {meta.get('weights', '?')} weights, "
+             f"arith {meta.get('arith', 'exact')}, {meta['threads']} threads, "
              f"prefix cache {meta.get('prefix_cache_mb', DEFAULT_PREFIX_CACHE_MB):g} MiB, CPU: {meta['cpu']}", "",
              "| method | tokens/s | vs ar | TTFT p50 / p95 (s) | TPOT p50 / p95 (ms) | τ | requests per forward | "
              "prompt tokens cached | identical to ar alone |", "|---|---|---|---|---|---|---|---|---|"]

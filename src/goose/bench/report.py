@@ -76,8 +76,9 @@ def render(summary: dict, plots: list[Path]) -> str:
     meta = summary["meta"]
     v = meta.get("versions", {})
     out = ["# goose bench report", "",
-           f"- model: `{meta.get('model')}` ({meta.get('weights') or meta.get('dtype')} weights, {meta.get('device')}, "
-           f"{meta.get('threads')} threads, {meta.get('processor')})",
+           f"- model: `{meta.get('model')}` ({meta.get('weights') or meta.get('dtype')} weights, "
+           f"arith {meta.get('arith', 'exact')}, {meta.get('device')}, {meta.get('threads')} threads, "
+           f"{meta.get('processor')})",
            f"- dataset: `{meta.get('dataset')}`; {summary['questions']} questions answered by every method; "
            f"max_new_tokens {meta.get('max_new_tokens')}; {'chat template' if meta.get('chat') else 'raw prompts'}; "
            f"{_decoding(meta)}, batch 1; repeats {meta.get('repeats', 1)} (median)",
@@ -92,7 +93,8 @@ def render(summary: dict, plots: list[Path]) -> str:
     out += ["", "Speedups are tokens/s ratios on the same prompts in the same run; τ = tokens per target forward "
             "(prefill included); MAT = accepted per decoding step + 1; acceptance = accepted / drafted nodes per "
             "source; lossless = turns token-identical to `ar` (when sampling: with the same seed; hf-* sampling draws "
-            "other random numbers, so it is not compared).", "", "## All categories", ""]
+            "other random numbers, so it is not compared; nor is hf-* beside goose's int8 arithmetic: it runs "
+            "float32).", "", "## All categories", ""]
     out += overall_table(summary)
     for title, key, spec in PER_CATEGORY:
         out += ["", f"## {title} by category", ""] + category_table(summary, key, spec)

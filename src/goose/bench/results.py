@@ -79,7 +79,8 @@ def render(summary: dict, command: str, bench_command: str, cpu: str, date: str,
         f"- commit: `{meta.get('git_commit')}`",
         f"- date: {date}",
         f"- command: `{command}` (runs `{bench_command}`)",
-        f"- model: {Path(str(meta.get('model'))).name}, {meta.get('dtype')}, goose's weights: {meta.get('weights')}; "
+        f"- model: {Path(str(meta.get('model'))).name}, {meta.get('dtype')}, goose's weights: {meta.get('weights')}, "
+        f"arith {meta.get('arith', 'exact')}; "
         f"hf-* run on their own float32 copy in transformers' modules",
         f"- questions: {summary['questions']} from Spec-Bench ({len(cats)} categories), "
         f"{meta.get('max_new_tokens')} new tokens per turn, greedy, "

@@ -2,9 +2,9 @@
 
 Rows are appended and flushed one question at a time, so an interrupted run keeps every finished
 question and a rerun skips them. A run directory belongs to one setting (model, dtype, max_new_tokens,
-chat mode, sampling, and what its timings depend on: threads, device, goose's source and the versions of
-torch and transformers): mixing settings would make its tables meaningless, so a resume with another
-one is refused. A resume keeps run.json's record of the first run and adds its own command.
+chat mode, sampling, goose's arithmetic, and what its timings depend on: threads, device, goose's source
+and the versions of torch and transformers): mixing settings would make its tables meaningless, so a resume
+with another one is refused. A resume keeps run.json's record of the first run and adds its own command.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from ..errors import GooseError
 
 # Settings a run directory holds one value of: those that change the generated tokens, and those that
 # change the timings (threads, device, the code and its main libraries), so one table never mixes them.
-PINNED = ("model", "dtype", "max_new_tokens", "chat", "sampling", "threads", "device", "software")
+PINNED = ("model", "dtype", "max_new_tokens", "chat", "sampling", "arith", "threads", "device", "software")
+RECORDED_BEFORE = {"arith": "exact"}  # a pinned setting's value in runs recorded before it was pinned
 
 
 def software() -> dict:
@@ -55,7 +56,7 @@ def pinned_conflict(out: Path, old: dict | None, new: dict) -> str | None:
     if old is None:
         return None
     for key in PINNED:
-        a, b = old.get(key), new.get(key)
+        a, b = old.get(key, RECORDED_BEFORE.get(key)), new.get(key, RECORDED_BEFORE.get(key))
         if a == b:
             continue
         if a is None and key in ("threads", "device", "software"):

@@ -9,8 +9,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..backends.forward import HFForward
-from ..backends.lean import LeanForward
-from ..backends.lean import supports as lean_supports
+from ..backends.lean import ARITHS, LeanForward
+from ..backends.lean import unsupported_reason as lean_unsupported_reason
 from ..config import DecodeConfig
 from ..errors import GooseError
 from .stats import Stats
@@ -49,23 +49,61 @@ def context_limit(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
-_SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {arith: its LeanForward}
 
 
-def default_forward(model):
-    """The fast Llama-family forward where it applies, else the generic Hugging Face one.
+def model_arith(model) -> str:
+    """The arithmetic `model` was loaded for (``load_model(..., arith=...)`` records it as ``goose_arith``;
+    "exact" for any other model)."""
+    return getattr(model, "goose_arith", "exact")
 
-    A LeanForward's packed weight copies are made once per model and shared by every Decoder and Engine of
-    the model;
+
+def check_arith(arith: str) -> str:
+    if arith not in ARITHS:
+        raise GooseError(f"unknown arith '{arith}'; choose one of: {', '.join(ARITHS)}")
+    return arith
+
+
+def default_forward(model, arith: str | None = None):
+    """The fast Llama-family forward where it applies, else the generic Hugging Face one, in arithmetic
+    `arith` ("exact" or "int8"; None: the model's own, `model_arith`). "int8" runs only on the Llama-family
+    forward over GGUF blocks: anything else is refused (float32 weights are never quantized here).
+
+    A LeanForward's packed weight copies are made once per (model, arith) and shared by every Decoder and
+    Engine of the model in that arithmetic;
     each request decodes on a KV cache of its own (`forward.new_cache()`), so requests never see each
     other's state. When the model's weights changed since they were packed (`forward.stale()`), a new
     forward is built: nothing decodes with old weights."""
-    if not lean_supports(model):
+    arith = check_arith(model_arith(model) if arith is None else arith)
+    reason = lean_unsupported_reason(model)
+    if reason is not None:
+        if arith != "exact":
+            raise GooseError(f'arith="{arith}" runs on goose\'s Llama-family forward, which cannot run this model '
+                             f'({reason}); use arith="exact"')
         return HFForward(model)
-    fwd = _SHARED.get(model)
+    forwards = _SHARED.setdefault(model, {})
+    fwd = forwards.get(arith)
     if fwd is None or fwd.stale():
-        fwd = _SHARED[model] = LeanForward(model)
+        fwd = forwards[arith] = LeanForward(model, arith=arith)
     return fwd
+
+
+def forward_arith(forward) -> str:
+    """The arithmetic a forward computes in (a forward without one, such as `HFForward`, is "exact")."""
+    return getattr(forward, "arith", "exact")
+
+
+def pick_forward(model, forward, arith: str | None):
+    """(forward, arith) for a Decoder or Engine given `forward` and `arith` (either may be None): a given
+    forward must compute in the given arithmetic; without one, `default_forward(model, arith)`."""
+    if forward is None:
+        fwd = default_forward(model, arith)
+        return fwd, forward_arith(fwd)
+    have = forward_arith(forward)
+    if arith is not None and check_arith(arith) != have:
+        raise GooseError(f'the forward given computes in arith="{have}", not "{arith}": build it with '
+                         f'arith="{arith}" or leave out one of the two')
+    return forward, have
 
 
 def encode(tokenizer, prompt: str, chat: bool = False) -> list[int]:

@@ -35,6 +35,7 @@ from .requests import (
     encode,
     eos_ids,
     id_set,
+    pick_forward,
     text_pieces,
 )
 from .step import DECODE, PREFILL, Slot, step
@@ -196,6 +197,9 @@ class Engine:
     callbacks) fails that request alone; the step loop itself failing sets `failure` (the reason), fails
     every queued and running request with it and closes the engine (docs/reliability.md).
 
+    `arith`: the forward's arithmetic, as `Decoder`'s ("exact" or "int8"; None: the model's own). An engine
+    has one, so its prefix cache only ever holds keys and values of that arithmetic.
+
     `thread`: True (default) runs the step loop on a background thread of the engine's own; False leaves it
     to the caller: `run()` runs it on the calling thread until `close()`. torch's OpenMP runtime (libgomp)
     keeps a team of worker threads per thread that ran torch work, and once the process holds more such
@@ -208,7 +212,7 @@ class Engine:
     def __init__(self, model, tokenizer=None, method: str | Method = "goose", max_batch: int = _UNSET, config=None,
                  *, forward=None, max_queue: int | None = _UNSET, prefill_chunk: int | None = _UNSET,
                  prefix_cache_mb: float = _UNSET, memory_mb: float = _UNSET, thread: bool = True,
-                 engine_config: EngineConfig | None = None) -> None:
+                 engine_config: EngineConfig | None = None, arith: str | None = None) -> None:
         self.settings = settings = _settings(engine_config, max_batch=max_batch, max_queue=max_queue,
                                              prefill_chunk=prefill_chunk, prefix_cache_mb=prefix_cache_mb,
                                              memory_mb=memory_mb)
@@ -219,7 +223,8 @@ class Engine:
         self.max_batch, self.max_queue = settings.max_batch, settings.max_queue
         self.prefill_chunk = settings.prefill_chunk
         self._own_forward = forward is None
-        self.forward = forward if forward is not None else default_forward(model)
+        # one arithmetic per engine (Decoder's `arith`), so its prefix cache never mixes two
+        self.forward, self.arith = pick_forward(model, forward, arith)
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.eos = eos_ids(model, tokenizer)
         self.limit = context_limit(model)
@@ -525,7 +530,7 @@ class Engine:
             for r in self._running:
                 r._finish("error", GooseError("the model's weights changed while this request was decoded"))
             if self._own_forward:
-                self.forward = default_forward(self.model)
+                self.forward = default_forward(self.model, self.arith)
                 for r in self._waiting:
                     r.slot.cache = self.forward.new_cache()
             else:

@@ -229,8 +229,17 @@ def gguf_source(model: str) -> Path | None:
 
 
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = "cpu",
-               attn_implementation: str = "sdpa", weights: str | None = None, pack: bool = True):
+               attn_implementation: str = "sdpa", weights: str | None = None, pack: bool = True,
+               arith: str = "exact"):
     """Returns ``(model, tokenizer)`` ready for goose, in eval mode.
+
+    `arith`: the arithmetic goose's forwards compute in for this model, recorded on it as ``goose_arith``
+    (`Decoder`, `Engine` and `goose serve` use it unless told otherwise). "exact" (default): float32 products
+    of the weights' values, bit-identical to Hugging Face's float32 model. "int8": each row's activations are
+    quantized to 8 bits in blocks of 32 and multiplied with the GGUF blocks in integers (`goose.backends.int8`);
+    it needs GGUF blocks (`weights` "gguf") on a model goose's Llama-family forward runs, and is refused
+    otherwise: float32 weights are never quantized here. Each is lossless against plain greedy decoding by
+    goose in the same arithmetic.
 
     `weights` (GGUF sources): "gguf" keeps the file's quantized blocks and multiplies with them directly
     (`goose.backends.quant`: the same float32 weight values, bit-identical logits under `LeanForward`, ~1/5 of the
@@ -244,6 +253,12 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     if attn_implementation not in SUPPORTED_ATTENTION:
         raise GooseError(f"attention implementation '{attn_implementation}' ignores custom tree masks; "
                          f"use one of {', '.join(SUPPORTED_ATTENTION)}")
+    from ..backends.lean import ARITHS
+
+    if arith not in ARITHS:
+        raise GooseError(f"unknown arith '{arith}'; choose one of: {', '.join(ARITHS)}")
+    if arith == "int8" and weights == "float32":
+        raise GooseError(_INT8_NEEDS_BLOCKS)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_dir(model)
@@ -262,7 +277,35 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     net.to(resolve_device(device)).eval()
     if pack:
         _pack_rest(net)
+    if arith != "exact":
+        why = _int8_unready(net)
+        if why is not None:
+            raise GooseError(why)
+    net.goose_arith = arith  # read by goose.engine.requests.default_forward
     return net, tok
+
+
+_INT8_NEEDS_BLOCKS = ('arith="int8" multiplies GGUF blocks and this model would hold float32 weights: load a GGUF '
+                      'file or the packaged model with weights="gguf" (--weights gguf), or use arith="exact" '
+                      '(float32 weights are never quantized behind your back)')
+
+
+def _int8_unready(net) -> str | None:
+    """Why goose's forward cannot run `net` in arith "int8", or None when it can."""
+    from ..backends import int8, lean
+    from ..backends.quant import QuantWeight
+
+    reason = lean.unsupported_reason(net)
+    if reason is not None:
+        return (f'arith="int8" runs on goose\'s Llama-family forward, which cannot run this model ({reason}); '
+                f'use arith="exact"')
+    linears = [m for layer in net.model.layers
+               for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                         layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    if not all(isinstance(m.weight, QuantWeight) for m in linears + [net.lm_head]):
+        return _INT8_NEEDS_BLOCKS
+    why = int8.unavailable_reason()
+    return None if why is None else f'arith="int8": goose\'s integer kernels cannot run here ({why})'
 
 
 def _load_packed(path: Path, dtype: torch.dtype, device: torch.device, attn_implementation: str):

@@ -804,7 +804,8 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
           served_name: str | None = None, drain_timeout: float = 30.0, max_body_bytes: int = 1 << 20,
           default_max_tokens: int = 512, log_level: str = "info", weights: str | None = None,
           prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, metrics_key: str | None = None,
-          allowed_hosts=None, max_restarts: int = 1, memory_mb: float = DEFAULT_MEMORY_MB) -> int:
+          allowed_hosts=None, max_restarts: int = 1, memory_mb: float = DEFAULT_MEMORY_MB,
+          arith: str = "exact") -> int:
     """Load `model`, start an Engine and serve it until SIGINT / SIGTERM (running requests get `drain_timeout`
     seconds to finish). A failed engine is rebuilt up to `max_restarts` times; after that the server stops.
     `allowed_hosts` None: the loopback names when `host` is a loopback address, else any host. Returns the
@@ -816,7 +817,7 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
     from ..loading.model import load_model
 
     tune_malloc()
-    net, tok = load_model(model, dtype, device, weights=weights)
+    net, tok = load_model(model, dtype, device, weights=weights, arith=arith)  # (the Engine takes its arith)
 
     def build():
         return Engine(net, tok, method, max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb,

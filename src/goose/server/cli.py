@@ -56,7 +56,7 @@ def cmd_serve(args) -> int:
     return serve(args.model, args.method, args.host, args.port, args.max_batch, args.max_queue, api_key, args.dtype,
                  args.device, served_name=args.served_model_name, drain_timeout=args.drain_timeout,
                  max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
-                 weights=getattr(args, "weights", None), prefix_cache_mb=args.prefix_cache_mb,
+                 weights=getattr(args, "weights", None), arith=args.arith, prefix_cache_mb=args.prefix_cache_mb,
                  metrics_key=metrics_key, allowed_hosts=hosts, max_restarts=args.max_restarts,
                  memory_mb=args.memory_mb)
 
