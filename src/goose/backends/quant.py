@@ -165,31 +165,39 @@ class QuantKernels:
         shape of `CpuKernels.linear` (see there for `norm`, `gated`, `out`). `bias` is padded to a whole
         number of 16-column panels (`CpuKernels.pack_bias`)."""
         self._check_weight(packed, n)
-        k_in = packed.k
-        if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
-            raise ValueError("x must be a float32 CPU [M, K] tensor")
-        x = x.contiguous()
-        m, k = x.shape
-        if k != (2 * k_in if gated else k_in):
-            raise ValueError(f"input has {k} features, the weight {k_in}" + (" (x2 when gated)" if gated else ""))
-        if norm is not None and (gated or tuple(norm[0].shape) != (k_in,) or norm[0].dtype != torch.float32):
-            raise ValueError("norm needs an ungated input and a float32 [K] weight")
-        padded = -(-n // PANEL) * PANEL
-        if bias is not None and (bias.dtype != torch.float32 or bias.numel() < padded or not bias.is_contiguous()):
-            raise ValueError(f"bias must be a contiguous float32 tensor of at least {padded} values (padded)")
-        if out is None:
-            y = torch.empty(m, n, dtype=torch.float32)
-        elif tuple(out.shape) != (m, n) or not out.is_contiguous() or out.dtype != torch.float32:
-            raise ValueError(f"out must be a contiguous float32 [{m}, {n}] tensor")
-        else:
-            y = out
-        if m == 0:
-            return y
-        nw, eps = (None, 0.0) if norm is None else (norm[0].contiguous(), float(norm[1]))
-        self._fn(FORMATS[packed.fmt][0], x.data_ptr(), m, k_in, packed.data.data_ptr(), n,
-                 None if bias is None else bias.data_ptr(), y.data_ptr(), None if nw is None else nw.data_ptr(), eps,
-                 int(gated), int(out is not None))
+        return run_linear(self._fn, x, packed, n, bias, norm, gated, out)
+
+
+def run_linear(fn, x: torch.Tensor, weight: "QuantWeight", n: int, bias: torch.Tensor | None,
+               norm: tuple[torch.Tensor, float] | None, gated: bool, out: torch.Tensor | None) -> torch.Tensor:
+    """Check the arguments of a quantized linear (`QuantKernels.linear`, `Int8Kernels.linear`: one call shape
+    for both arithmetics) and call the kernel `fn` on them; `weight` is already checked against `n`."""
+    k_in = weight.k
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError("x must be a float32 CPU [M, K] tensor")
+    x = x.contiguous()
+    m, k = x.shape
+    if k != (2 * k_in if gated else k_in):
+        raise ValueError(f"input has {k} features, the weight {k_in}" + (" (x2 when gated)" if gated else ""))
+    if norm is not None and (gated or tuple(norm[0].shape) != (k_in,) or norm[0].dtype != torch.float32):
+        raise ValueError("norm needs an ungated input and a float32 [K] weight")
+    padded = -(-n // PANEL) * PANEL
+    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.numel() < padded
+                             or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous float32 tensor of at least {padded} values (padded)")
+    if out is None:
+        y = torch.empty(m, n, dtype=torch.float32)
+    elif tuple(out.shape) != (m, n) or not out.is_contiguous() or out.dtype != torch.float32:
+        raise ValueError(f"out must be a contiguous float32 [{m}, {n}] tensor")
+    else:
+        y = out
+    if m == 0:
         return y
+    nw, eps = (None, 0.0) if norm is None else (norm[0].contiguous(), float(norm[1]))
+    fn(FORMATS[weight.fmt][0], x.data_ptr(), m, k_in, weight.data.data_ptr(), n,
+       None if bias is None else bias.data_ptr(), y.data_ptr(), None if nw is None else nw.data_ptr(), eps,
+       int(gated), int(out is not None))
+    return y
 
 
 # ---- the weight and the modules -------------------------------------------------------------------------
