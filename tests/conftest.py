@@ -127,3 +127,14 @@ configs = st.builds(
     st.integers(1, 80), st.integers(1, 25), st.integers(1, 120),
     st.sampled_from([(5, 4, 3), (3, 2, 1), (2,), (4, 1)]),
 )
+
+
+def filled_cache(fwd, tokens: list[int]):
+    """A new cache of `fwd` holding the keys and values of `tokens` (one forward)."""
+    from goose.protocols import Segment
+
+    cache = fwd.new_cache()
+    cache.reset()
+    with torch.inference_mode():
+        fwd.run([Segment(cache, tokens)])
+    return cache

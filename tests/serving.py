@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import socket
 import threading
 import time
+from urllib.parse import urlparse
+
+TIMEOUT = 60  # seconds any one test request may take
 
 
 @contextlib.contextmanager
@@ -33,3 +38,15 @@ def live_server(engine, model_name: str = "tiny", **app_kw):
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+def raw(url: str, method: str, path: str, body=None, headers=None):
+    """(status, headers, body bytes) of one plain HTTP request."""
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT)
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    out = resp.status, dict(resp.getheaders()), resp.read()
+    conn.close()
+    return out

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_VOCAB, greedy_memo, hf_greedy, make_tiny_llama
+from conftest import TINY_VOCAB, filled_cache, greedy_memo, hf_greedy, make_tiny_llama
 from goose import Engine, GooseError
 from goose.backends import cpukernel
 from goose.backends.forward import HFForward
@@ -29,16 +29,6 @@ def model32():
     return make_tiny_llama(torch.float32, seed=5)
 
 
-def _filled_cache(fwd, tokens):
-    cache = fwd.new_cache()
-    cache.reset()
-    from goose.protocols import Segment
-
-    with torch.inference_mode():
-        fwd.run([Segment(cache, tokens)])
-    return cache
-
-
 # ---- the store on its own ---------------------------------------------------------------------------------
 @needs_kernel
 def test_attach_copies_the_longest_stored_prefix_and_leaves_a_token(model32):
@@ -46,7 +36,7 @@ def test_attach_copies_the_longest_stored_prefix_and_leaves_a_token(model32):
     assert PrefixCache.supports(fwd)
     tokens = [random.Random(1).randrange(2, TINY_VOCAB) for _ in range(3 * BLOCK + 3)]
     store = PrefixCache(2**30)
-    store.store(tokens, _filled_cache(fwd, tokens))
+    store.store(tokens, filled_cache(fwd, tokens))
     assert len(store) == 3
     for prompt, want in ((tokens, 3 * BLOCK), (tokens[: 3 * BLOCK], 2 * BLOCK), (tokens[:BLOCK], 0),
                          (tokens[: 2 * BLOCK + 1], 2 * BLOCK), (tokens[:BLOCK] + [0] * 20, BLOCK), ([0] + tokens, 0)):
@@ -55,7 +45,7 @@ def test_attach_copies_the_longest_stored_prefix_and_leaves_a_token(model32):
         assert store.attach(prompt, cache) == want
         assert cache.length == want
         if want:  # the copied entries are the bits a prefill of those tokens computes
-            assert torch.equal(cache.entries(0, want), _filled_cache(fwd, prompt[:want]).entries(0, want))
+            assert torch.equal(cache.entries(0, want), filled_cache(fwd, prompt[:want]).entries(0, want))
 
 
 @needs_kernel
@@ -64,15 +54,15 @@ def test_the_byte_budget_drops_least_recently_used_leaves_first(model32):
     rng = random.Random(2)
     a = [rng.randrange(2, TINY_VOCAB) for _ in range(2 * BLOCK)]
     b = [rng.randrange(2, TINY_VOCAB) for _ in range(2 * BLOCK)]
-    block_bytes = _filled_cache(fwd, a).entries(0, BLOCK).numel() * 4
+    block_bytes = filled_cache(fwd, a).entries(0, BLOCK).numel() * 4
     store = PrefixCache(3 * block_bytes)
-    store.store(a, _filled_cache(fwd, a))
-    store.store(a[:BLOCK] + b[:BLOCK], _filled_cache(fwd, a[:BLOCK] + b[:BLOCK]))  # shares a's first block
+    store.store(a, filled_cache(fwd, a))
+    store.store(a[:BLOCK] + b[:BLOCK], filled_cache(fwd, a[:BLOCK] + b[:BLOCK]))  # shares a's first block
     assert len(store) == 3 and store.bytes == 3 * block_bytes
     cache = fwd.new_cache()
     cache.reset()
     assert store.attach(a + [0], cache) == 2 * BLOCK  # a's blocks are now the most recently used
-    store.store(b, _filled_cache(fwd, b))  # 2 more blocks: the two oldest leaves go, never a block with children
+    store.store(b, filled_cache(fwd, b))  # 2 more blocks: the two oldest leaves go, never a block with children
     assert store.bytes <= 3 * block_bytes and store.evicted == 2
     cache = fwd.new_cache()
     cache.reset()
@@ -80,7 +70,7 @@ def test_the_byte_budget_drops_least_recently_used_leaves_first(model32):
     store.clear()
     assert len(store) == 0 and store.bytes == 0
     tiny = PrefixCache(block_bytes - 1)  # not even one block fits: nothing is kept
-    tiny.store(a, _filled_cache(fwd, a))
+    tiny.store(a, filled_cache(fwd, a))
     assert len(tiny) == 0
 
 

@@ -22,9 +22,7 @@ pytest.importorskip("fastapi")
 from conftest import TINY_EOS, hf_greedy, make_tiny_llama  # noqa: E402
 from goose import Engine  # noqa: E402
 from goose.decoding import encode_chat  # noqa: E402
-from serving import live_server  # noqa: E402
-
-TIMEOUT = 60  # seconds any one request may take
+from serving import TIMEOUT, live_server, raw  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -64,18 +62,6 @@ def greedy_text(worded, ids: list[int], n: int) -> tuple[list[int], str]:
     model, tok = worded
     out = hf_greedy(model, ids, n, eos=TINY_EOS)
     return out, tok.decode(out, skip_special_tokens=True)
-
-
-def raw(url: str, method: str, path: str, body=None, headers=None):
-    """(status, headers, body bytes) of one plain HTTP request."""
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT)
-    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    out = resp.status, dict(resp.getheaders()), resp.read()
-    conn.close()
-    return out
 
 
 def wait_idle(engine, seconds: float = 20) -> None:

@@ -27,9 +27,7 @@ from goose import Engine, GooseError  # noqa: E402
 from goose.engine import scheduler  # noqa: E402
 from goose.server.app import MAX_STOP_CHARS, ApiError, Serving, TextEmitter  # noqa: E402
 from goose.server.schema import CompletionRequest  # noqa: E402
-from serving import live_server  # noqa: E402
-
-TIMEOUT = 60
+from serving import TIMEOUT, live_server, raw  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +38,6 @@ def worded():
 
     tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
     return make_tiny_llama(dtype=torch.float32, vocab=len(tok), seed=2), tok
-
-
-def raw(url: str, method: str, path: str, body=None, headers=None):
-    """(status, headers, body bytes) of one plain HTTP request."""
-    u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT)
-    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
-    resp = conn.getresponse()
-    out = resp.status, dict(resp.getheaders()), resp.read()
-    conn.close()
-    return out
 
 
 def sse_events(url: str, body: dict, on_event=None) -> list[dict]:

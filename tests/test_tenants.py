@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from conftest import TINY_EOS, TINY_VOCAB, greedy_memo, hf_greedy, make_tiny_llama
+from conftest import TINY_EOS, TINY_VOCAB, filled_cache, greedy_memo, hf_greedy, make_tiny_llama
 from goose import Engine
 from goose.backends import cpukernel
-from goose.backends.lean import LeanForward, Segment
+from goose.backends.lean import LeanForward
 from goose.engine.prefix import BLOCK, PrefixCache
 
 needs_kernel = pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
@@ -23,29 +23,21 @@ def model32():
     return make_tiny_llama(torch.float32, seed=7)
 
 
-def _filled(fwd, tokens):
-    cache = fwd.new_cache()
-    cache.reset()
-    with torch.inference_mode():
-        fwd.run([Segment(cache, tokens)])
-    return cache
-
-
 @needs_kernel
 def test_the_store_finds_only_the_tenants_own_blocks(model32):
     fwd = LeanForward(model32)
     tokens = list(range(2, 2 + 3 * BLOCK))
-    block_bytes = _filled(fwd, tokens).entries(0, BLOCK).numel() * 4
+    block_bytes = filled_cache(fwd, tokens).entries(0, BLOCK).numel() * 4
     store = PrefixCache(6 * block_bytes)
-    store.store(tokens, _filled(fwd, tokens), tenant="a")
+    store.store(tokens, filled_cache(fwd, tokens), tenant="a")
     assert store.attach(tokens + [1], fwd.new_cache(), tenant="b") == 0
     assert store.attach(tokens + [1], fwd.new_cache()) == 0  # the anonymous tenant is a tenant of its own
     assert store.attach(tokens + [1], fwd.new_cache(), tenant="a") == 3 * BLOCK
     assert store.hits == 3 * BLOCK
-    store.store(tokens, _filled(fwd, tokens), tenant="b")  # the same tokens, stored again for b
+    store.store(tokens, filled_cache(fwd, tokens), tenant="b")  # the same tokens, stored again for b
     assert len(store) == 6 and store.attach(tokens + [1], fwd.new_cache(), tenant="b") == 3 * BLOCK
     other = list(range(40, 40 + 3 * BLOCK))
-    store.store(other, _filled(fwd, other), tenant="c")  # one budget for all: the least recently used go
+    store.store(other, filled_cache(fwd, other), tenant="c")  # one budget for all: the least recently used go
     assert store.bytes <= store.max_bytes and store.evicted == 3
     assert store.attach(tokens + [1], fwd.new_cache(), tenant="a") < 3 * BLOCK  # a's were the oldest
 
