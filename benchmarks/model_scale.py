@@ -40,7 +40,7 @@ decoding end to end (it assumes a context match at every step and ignores ~1 ms 
 Compare the projections between models; the absolute figures are an upper estimate.
 
     python benchmarks/model_scale.py [--sizes 0.5b,1.5b,3b,8b] [--format Q4_0] [--tokens 1,2,4,8,16,32,64]
-        [--prefix 256] [--repeats 5] [--threads 2] [--acceptance FILE.json] [--json OUT.json]
+        [--prefix 256] [--repeats 5] [--threads 2] [--arith exact,int8] [--acceptance FILE.json] [--json OUT.json]
     python benchmarks/model_scale.py --sizes tiny --repeats 2      # a few seconds: the test shape
 """
 
@@ -62,7 +62,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from goose import theory
 from goose.backends import quant
-from goose.backends.lean import LeanForward
+from goose.backends.lean import ARITHS, LeanForward
 from goose.backends.packed import PackedEmbedding, PackedLinear
 from goose.backends.quant import QuantKernels
 from goose.bench.concurrency import cpu_name
@@ -206,24 +206,31 @@ def project(curve: CostCurve, accepted: np.ndarray) -> tuple[int, float]:
 
 
 def measure_size(size: str, fmt: str, sizes: tuple[int, ...], prefix: int, repeats: int,
-                 accepted: np.ndarray) -> dict:
-    """Build one model, measure its cost curve, project; the model is released before returning."""
+                 accepted: np.ndarray, ariths: tuple[str, ...] = ("exact",)) -> list[dict]:
+    """Build one model, measure its cost curve in each arithmetic (one row each), project; the model is released
+    before returning."""
     shape = SHAPES[size]
     t0 = time.perf_counter()
     net = build(shape, fmt)
-    fwd = LeanForward(net)
     built = time.perf_counter() - t0
     params, nbytes = weight_stats(net)
-    curve = costmodel.measure(fwd, shape.vocab, sizes=sizes, cache_len=prefix, repeats=repeats)
-    n_star, speedup = project(curve, accepted)
-    row = {"size": size, "shape": asdict(shape), "format": fmt, "params": params, "weight_bytes": nbytes,
-           "backend": fwd.backend, "build_s": round(built, 1), "sizes": list(curve.sizes), "ms": list(curve.ms),
-           "spread": curve.spread, "n_star": n_star, "speedup": speedup}
-    if curve.spread > costmodel.MAX_SPREAD:
-        print(f"{size}: the timed passes varied {curve.spread:.1f}x (is the machine busy?)", file=sys.stderr)
-    del fwd, net
+    rows = []
+    for arith in ariths:
+        fwd = LeanForward(net, arith=arith)
+        curve = costmodel.measure(fwd, shape.vocab, sizes=sizes, cache_len=prefix, repeats=repeats)
+        n_star, speedup = project(curve, accepted)
+        rows.append({"size": size, "shape": asdict(shape), "format": fmt, "arith": arith, "params": params,
+                     "weight_bytes": nbytes, "backend": fwd.backend, "build_s": round(built, 1),
+                     "sizes": list(curve.sizes), "ms": list(curve.ms), "spread": curve.spread, "n_star": n_star,
+                     "speedup": speedup})
+        if curve.spread > costmodel.MAX_SPREAD:
+            print(f"{size} ({arith}): the timed passes varied {curve.spread:.1f}x (is the machine busy?)",
+                  file=sys.stderr)
+        del fwd
+        gc.collect()
+    del net
     gc.collect()
-    return row
+    return rows
 
 
 def _amount(x: float, big: str, small: str) -> str:
@@ -245,12 +252,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--acceptance", type=Path, help='JSON {"n": E[accepted], ...}; default: the built-in model')
+    ap.add_argument("--arith", default="exact", help="comma list of exact, int8 (each measured on the same model)")
     ap.add_argument("--json", type=Path, help="write every measurement here")
     args = ap.parse_args()
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SHAPES]
     if unknown:
         ap.error(f"unknown sizes {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    ariths = tuple(a.strip() for a in args.arith.split(",") if a.strip())
+    if not ariths or any(a not in ARITHS for a in ariths):
+        ap.error(f"--arith: a comma list of {', '.join(ARITHS)}")
     tokens = tuple(sorted({int(t) for t in args.tokens.split(",")}))
     if tokens[0] != 1:
         ap.error("--tokens must include 1 (plain decoding, the speed-up's reference)")
@@ -269,19 +280,21 @@ def main() -> None:
           f"combined with E[accepted](n) from the {source}; speed-up = max over n of (1 + E[accepted](n)) / "
           "cost(n) * cost(1). The acceptance is not measured on these models (see the module docstring).")
     print()
-    print("| size | like | params | weight bytes | " + " | ".join(f"N={n} ms" for n in tokens) +
+    print("| size | like | params | weight bytes | arith | " + " | ".join(f"N={n} ms" for n in tokens) +
           " | cost(8)/cost(1) | cost(16)/cost(1) | projected n* | projected speed-up |")
-    print("|---" * (len(tokens) + 8) + "|")
+    print("|---" * (len(tokens) + 9) + "|")
     rows = []
     for size in sizes:
-        row = measure_size(size, args.format, tokens, args.prefix, args.repeats, accepted)
-        rows.append(row)
-        cells = [size, row["shape"]["like"], _amount(row["params"], "B", "M"),
-                 _amount(row["weight_bytes"], " GB", " MB"), *(f"{m:.1f}" for m in row["ms"]), _ratio(row, 8),
-                 _ratio(row, 16), str(row["n_star"]), f"{row['speedup']:.2f}x"]
-        print("| " + " | ".join(cells) + " |", flush=True)
-    if rows:
-        print(f"\nforward backend: {rows[0]['backend']}")
+        for row in measure_size(size, args.format, tokens, args.prefix, args.repeats, accepted, ariths):
+            rows.append(row)
+            cells = [size, row["shape"]["like"], _amount(row["params"], "B", "M"),
+                     _amount(row["weight_bytes"], " GB", " MB"), row["arith"], *(f"{m:.1f}" for m in row["ms"]),
+                     _ratio(row, 8), _ratio(row, 16), str(row["n_star"]), f"{row['speedup']:.2f}x"]
+            print("| " + " | ".join(cells) + " |", flush=True)
+    for arith in ariths:
+        backend = next(r["backend"] for r in rows if r["arith"] == arith) if rows else None
+        if backend:
+            print(f"\nforward backend ({arith}): {backend}")
     if args.json:
         acceptance = {"source": source, "accepted": {n: float(accepted[n]) for n in range(1, len(accepted))}}
         out = {"cpu": cpu, "threads": args.threads, "prefix": args.prefix, "repeats": args.repeats,

@@ -52,6 +52,20 @@ def test_tiny_model_is_built_in_blocks_and_runs(scale, fmt):
     assert logits.shape == (3, v) and torch.isfinite(logits).all()
 
 
+@needs_quant
+def test_each_arithmetic_is_measured_on_the_same_model(scale):
+    from goose.backends import int8
+
+    ariths = ("exact", "int8") if int8.kernels() is not None else ("exact",)
+    accepted = scale.default_acceptance(4)
+    rows = scale.measure_size("tiny", "Q8_0", (1, 2, 4), 16, 1, accepted, ariths)
+    assert [r["arith"] for r in rows] == list(ariths)
+    assert len({r["build_s"] for r in rows}) == 1  # one build serves every arithmetic
+    for r in rows:
+        assert r["sizes"] == [1, 2, 4] and all(m > 0 for m in r["ms"]) and 1 <= r["n_star"] <= 4
+        assert ("+int8-" in r["backend"]) == (r["arith"] == "int8")
+
+
 def test_projection_needs_a_flat_cost_curve(scale):
     sizes = (1, 2, 4, 8, 16, 32, 64)
     accepted = scale.default_acceptance(sizes[-1])
