@@ -7,11 +7,12 @@ ignoring end-of-sequence tokens (every prompt decodes the full length, so tokens
 - `llama`       llama.cpp plain decoding (`Llama.generate`, top_k 1, 2 threads, n_batch 512);
 - `llama-pld`   llama.cpp with its prompt-lookup drafting (`LlamaPromptLookupDecoding`, 10 tokens);
 - `goose-ar`    goose plain decoding on the file's quantized blocks (`weights="gguf"`);
-- `goose`       goose's device-aware `goose` method on the same blocks.
+- `goose`       goose's device-aware `goose` method on the same blocks;
+- `goose-ar-int8`, `goose-int8`: the same two with `arith="int8"` (8-bit activations times the blocks in integers).
 
 Per engine: time to first token (the prompt's prefill + first token), decode tok/s after the first token,
 end-to-end tok/s, peak RSS of the process (model loading included), and whether its tokens equal its own
-plain decoding (llama.cpp: `llama-pld` against `llama`; goose: `goose` against `goose-ar`) and goose's
+plain decoding (llama.cpp: `llama-pld` against `llama`; goose: `goose` against `goose-ar` in its arithmetic) and goose's
 against llama.cpp's (their float arithmetic differs; reported, not required).
 
     .venv-llama/bin/pip install llama-cpp-python==0.3.36 numpy     # builds llama.cpp from source (~4-10 min)
@@ -35,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
-ENGINES = ("llama", "llama-pld", "goose-ar", "goose")
+ENGINES = ("llama", "llama-pld", "goose-ar", "goose", "goose-ar-int8", "goose-int8")
 
 
 def peak_rss_mb() -> float:
@@ -66,14 +67,15 @@ def run_llama(gguf: str, prompts: list[list[int]], max_new: int, threads: int, p
     return {"rows": rows, "peak_rss_mb": peak_rss_mb()}
 
 
-def run_goose(model_name: str, prompts: list[list[int]], max_new: int, threads: int, method: str) -> dict:
+def run_goose(model_name: str, prompts: list[list[int]], max_new: int, threads: int, method: str,
+              arith: str = "exact") -> dict:
     import torch  # noqa: PLC0415
 
     from goose import Decoder, load_model  # noqa: PLC0415
     from goose.decoding import DecodeConfig  # noqa: PLC0415
 
     torch.set_num_threads(threads)
-    model, tok = load_model(model_name, weights="gguf")
+    model, tok = load_model(model_name, weights="gguf", arith=arith)
     dec = Decoder(model, tok, method)
     dec.generate_ids([1, 2, 3, 4], DecodeConfig(max_new_tokens=8), eos=set())  # warm-up (cost curve, kernels)
     rows = []
@@ -94,8 +96,9 @@ def worker(args) -> None:
     if args.worker.startswith("llama"):
         res = run_llama(job["gguf"], job["prompts"], job["max_new"], job["threads"], args.worker == "llama-pld")
     else:
+        name = args.worker.removesuffix("-int8")
         res = run_goose(job["model"], job["prompts"], job["max_new"], job["threads"],
-                        "ar" if args.worker == "goose-ar" else "goose")
+                        "ar" if name == "goose-ar" else "goose", "int8" if name != args.worker else "exact")
     print("RESULT " + json.dumps(res), flush=True)
 
 
@@ -163,7 +166,7 @@ def main() -> None:
     summary = {}
     for name, res in results.items():
         s = summary[name] = summarise(res)
-        plain = "llama" if name.startswith("llama") else "goose-ar"
+        plain = "llama" if name.startswith("llama") else "goose-ar" + ("-int8" if name.endswith("-int8") else "")
         own = f"{same(name, plain)}/{n}" if plain in results else "-"
         vs = f"{same(name, 'llama')}/{n}" if "llama" in results else "-"
         lines.append(f"| {name} | {s['decode_tok_s']:.1f} | {s['e2e_tok_s']:.1f} | {s['ttft_ms_median']:.0f} | "
