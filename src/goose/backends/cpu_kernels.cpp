@@ -34,6 +34,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
 #include <string.h>
 
 #include <vector>
@@ -189,6 +190,28 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+#ifdef __AVX512F__
+// exp_nonpositive on 16 lanes: the same operations lane by lane, so the same bits.
+inline __m512 exp_nonpositive512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
+}
+#endif
+
 // Rotary embedding (Hugging Face's rotate_half convention) of one head x [D] -> o [D]:
 // o = x * cos + (-x[D/2:], x[:D/2]) * sin.
 inline void rope(const float* x, const float* cos, const float* sin, int D, float* o) {
@@ -297,7 +320,17 @@ inline float softmax_numerators(float* s, int64_t T, const uint8_t* seen = nullp
   const __m256 mv = _mm256_set1_ps(m);
   __m256 total = _mm256_setzero_ps();
   const int64_t p = seen ? T - n : T, b0 = p / 8 * 8;  // blocks below b0 hold prefix terms only
-  for (j = 0; j < T; j += 8) {
+  j = 0;
+#ifdef __AVX512F__
+  const __m512 mv16 = _mm512_set1_ps(m);
+  for (; j + 16 <= (T + 7) / 8 * 8; j += 16) {  // two 8-key blocks at once, added to total in order
+    const __m512 e = exp_nonpositive512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv16));
+    _mm512_storeu_ps(s + j, e);
+    if (!seen || j < b0) total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+    if (!seen || j + 8 < b0) total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+#endif
+  for (; j < T; j += 8) {
     const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
     _mm256_storeu_ps(s + j, e);
     if (!seen || j < b0) total = _mm256_add_ps(total, e);
@@ -439,20 +472,26 @@ inline __m512 hadd512(__m512 a, __m512 b) {
 }
 
 // scores (see `scores`) of P row pairs, qp [P][D / 8][16] (pair-interleaved), over keys [T][D]; row r's
-// scores go to s[r] (2 P row pointers).
-template <int P>
+// scores go to s[r] (2 P row pointers). S: D / 8 when known at compile time (the loops then unroll and the
+// accumulators stay in registers), else 0.
+template <int P, int S = 0>
 inline void scores512(const float* qp, const float* keys, int64_t T, int D, float scale, float* const* s) {
   const __m512 sc = _mm512_set1_ps(scale);
-  const int steps = D / 8;
+  const int steps = S ? S : D / 8;
   for (int64_t j0 = 0; j0 < T; j0 += 4) {
     const float* k[4];
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) k[t] = keys + (j0 + t < T ? j0 + t : T - 1) * D;
     __m512 a[P][4];
+#pragma GCC unroll 4
     for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) a[p][t] = _mm512_setzero_ps();
+#pragma GCC unroll 16
     for (int d = 0; d < steps; ++d) {
       const __m512 k0 = both_halves(k[0] + 8 * d), k1 = both_halves(k[1] + 8 * d);
       const __m512 k2 = both_halves(k[2] + 8 * d), k3 = both_halves(k[3] + 8 * d);
+#pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
         const __m512 qv = _mm512_loadu_ps(qp + (p * steps + d) * 16);
         a[p][0] = _mm512_fmadd_ps(qv, k0, a[p][0]);
@@ -461,15 +500,15 @@ inline void scores512(const float* qp, const float* keys, int64_t T, int D, floa
         a[p][3] = _mm512_fmadd_ps(qv, k3, a[p][3]);
       }
     }
-    const int64_t m = T - j0 < 4 ? T - j0 : 4;
+    const __mmask8 m = static_cast<__mmask8>(T - j0 < 4 ? (1u << (T - j0)) - 1u : 0xFu);
+#pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       // the 8-lane code's hadd tree on both rows at once (hadd within 128-bit lanes is these two shuffles
       // and one add), then the two 128-bit lanes of each row added: row a in lane 0, row b in lane 2
       const __m512 u = hadd512(hadd512(a[p][0], a[p][1]), hadd512(a[p][2], a[p][3]));
       const __m512 v = _mm512_mul_ps(_mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1))), sc);
-      for (int half = 0; half < 2; ++half) {
-        store_scores(s[2 * p + half] + j0, half ? _mm512_extractf32x4_ps(v, 2) : _mm512_castps512_ps128(v), m);
-      }
+      _mm_mask_storeu_ps(s[2 * p] + j0, m, _mm512_castps512_ps128(v));
+      _mm_mask_storeu_ps(s[2 * p + 1] + j0, m, _mm512_extractf32x4_ps(v, 2));
     }
   }
 }
@@ -667,68 +706,235 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
 }
 
 #ifdef __AVX512F__
-// The same on AVX-512 (the same bits): a work item is a kv head of one segment and up to 2 kPairs512 of
-// the query rows that read it (row q = token q / G, query head kv G + q % G), so the keys and values are
-// loaded once per item instead of once per token.
+// ---- the AVX-512 attention: groups of query rows over blocks of keys and values ----
+//
+// Same bits as `attention`, arranged so that each key and value is read from memory once per step for all
+// the query rows of a sequence. A group is up to kGroupRows query rows of one segment that read one kv head
+// (row q = token q / G, query head kv G + q % G). A layer's groups go through three phases in one parallel
+// region (in waves whose score rows fit kWaveFloats):
+//  A. scores: tiles of (group, key range); each block of kBlock keys is loaded into L1 once and used by all
+//     the group's rows, two rows per register (scores512);
+//  B. each row's softmax numerators (row_softmax), in place;
+//  C. weighted sums: tiles of (group, rows, columns); each block of values is used by the tile's rows, whose
+//     accumulators are kept between blocks, so every output is still one FMA chain over j in order.
+// Tiles split the work over the threads even with fewer groups than threads (one sequence with few kv
+// heads): by key range in A, by rows (many) or columns (few rows) in C; B runs inside C's tiles when C is
+// not split by columns. No tile's numbers depend on the split.
+constexpr int kGroupRows = 48;            // query rows per group (a multiple of 6 and of 8)
+constexpr int64_t kBlock = 64;            // keys (values) per block: 16 KB at D = 64
+constexpr int64_t kWaveFloats = 1 << 19;  // score rows per wave (2 MB)
+
+struct Group {
+  const Segment* g;
+  int64_t kv, q0, Tmax, sc;  // kv head, first row, keys read, offset of its score rows in the wave's buffer
+  int R, P;                  // rows, row pairs (an odd group's last pair repeats its last row)
+};
+
+struct Tile {
+  int64_t group, a0, a1;  // A: key range [a0, a1); C: rows [a0, a1)
+  int64_t c0, c1;         // C: columns [c0, c1)
+};
+
+// o[r][c0..c0 + 16 W) (the last vector only the lanes in `last`) for R rows over values j in [j0, j1) (v is
+// already offset to column c0): accumulators from acc (rows of stride lda; zeros when `first`), back to acc,
+// or when `inv` is given times inv[r] into o[r].
+template <int R, int W>
+inline void weighted_block(const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D, float* acc,
+                           int64_t lda, bool first, const float* inv, float* const* o, __mmask16 last) {
+  __m512 a[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < W; ++c) a[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * lda + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m512 vv[W];
+    for (int c = 0; c < W; ++c) vv[c] = _mm512_maskz_loadu_ps(c == W - 1 ? last : 0xFFFF, v + j * D + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 ej = _mm512_set1_ps(e[r][j]);
+      for (int c = 0; c < W; ++c) a[r][c] = _mm512_fmadd_ps(ej, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (inv) {
+      const __m512 iv = _mm512_set1_ps(inv[r]);
+      for (int c = 0; c < W; ++c)
+        _mm512_mask_storeu_ps(o[r] + 16 * c, c == W - 1 ? last : 0xFFFF, _mm512_mul_ps(a[r][c], iv));
+    } else {
+      for (int c = 0; c < W; ++c) _mm512_storeu_ps(acc + r * lda + 16 * c, a[r][c]);
+    }
+  }
+}
+
+// Rows per weighted_block call for W column vectors (R W accumulators of the 32 registers).
+constexpr int rows_for(int W) { return W >= 4 ? 6 : 8; }
+
+template <int W>
+inline void weighted_block_rows(int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
+                                float* acc, int64_t lda, bool first, const float* inv, float* const* o,
+                                __mmask16 last) {
+  switch (R) {
+    case 8: if constexpr (rows_for(W) >= 8) weighted_block<8, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last); break;
+    case 7: if constexpr (rows_for(W) >= 7) weighted_block<7, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last); break;
+    case 6: weighted_block<6, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last); break;
+    case 5: weighted_block<5, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last); break;
+    case 4: weighted_block<4, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last); break;
+    case 3: weighted_block<3, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last); break;
+    case 2: weighted_block<2, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last); break;
+    default: weighted_block<1, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last); break;
+  }
+}
+
+template <int S>
+inline void scores_pairs(int np, const float* qp, const float* keys, int64_t T, int D, float scale, float* const* s) {
+  switch (np) {
+    case 4: scores512<4, S>(qp, keys, T, D, scale, s); break;
+    case 3: scores512<3, S>(qp, keys, T, D, scale, s); break;
+    case 2: scores512<2, S>(qp, keys, T, D, scale, s); break;
+    default: scores512<1, S>(qp, keys, T, D, scale, s); break;
+  }
+}
+
 void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg,
                   float scale, float* out) {
   const int64_t row = (H + 2 * Kh) * D, G = H / Kh;
   const int d = static_cast<int>(D), steps = d / 8;
-  constexpr int B = 2 * kPairs512;
   write_new_kv(qkv, H, Kh, D, segs, nseg);
-  std::vector<int64_t> first(nseg + 1, 0);  // work items of segment s: [first[s], first[s + 1])
-  int64_t longest = 0, widest = 0;
+  std::vector<Group> groups;
+  std::vector<int64_t> waves{0};  // groups of wave w: [waves[w], waves[w + 1])
+  int64_t widest = 0, wave_floats = 0, arena = 0;
   for (int64_t s = 0; s < nseg; ++s) {
     const Segment& g = segs[s];
-    first[s + 1] = first[s] + Kh * ((g.n * G + B - 1) / B);
-    longest = g.p + g.n > longest ? g.p + g.n : longest;
     widest = g.n > widest ? g.n : widest;
+    for (int64_t kv = 0; kv < Kh; ++kv)
+      for (int64_t q0 = 0; q0 < g.n * G; q0 += kGroupRows) {
+        const int R = static_cast<int>(g.n * G - q0 < kGroupRows ? g.n * G - q0 : kGroupRows);
+        const int64_t last_token = (q0 + R - 1) / G;
+        const int64_t Tmax = g.allowed ? g.p + g.n : g.p + last_token + 1;  // causal: rows see up to their token
+        const int64_t floats = 2 * ((R + 1) / 2) * (Tmax + 8);
+        if (wave_floats > 0 && wave_floats + floats > kWaveFloats) {
+          waves.push_back(static_cast<int64_t>(groups.size()));
+          wave_floats = 0;
+        }
+        groups.push_back(Group{&g, kv, q0, Tmax, wave_floats, R, (R + 1) / 2});
+        wave_floats += floats;
+        arena = wave_floats > arena ? wave_floats : arena;
+      }
   }
-  const int64_t lds = longest + 8;
+  waves.push_back(static_cast<int64_t>(groups.size()));
+  thread_local std::vector<float> scores_buf;  // the caller's, reused across calls
+  if (static_cast<int64_t>(scores_buf.size()) < arena) scores_buf.resize(arena);
+  float* const sbuf = scores_buf.data();
+  const int threads = omp_get_max_threads();
+  // Tiles per wave, per phase (A, then C); split_cols: C splits columns, so B runs as its own phase.
+  std::vector<std::vector<Tile>> tilesA(waves.size() - 1), tilesC(waves.size() - 1);
+  std::vector<char> split_cols(waves.size() - 1, 0);
+  for (size_t w = 0; w + 1 < waves.size(); ++w) {
+    const int64_t n = waves[w + 1] - waves[w];
+    const int64_t parts = threads > 1 ? (2 * threads + n - 1) / n : 1;  // tiles per group for ~2 per thread
+    for (int64_t k = waves[w]; k < waves[w + 1]; ++k) {
+      const Group& gr = groups[k];
+      const int64_t blocks = (gr.Tmax + kBlock - 1) / kBlock, per = (blocks + parts - 1) / parts * kBlock;
+      for (int64_t a = 0; a < gr.Tmax; a += per)
+        tilesA[w].push_back(Tile{k, a, a + per < gr.Tmax ? a + per : gr.Tmax, 0, D});
+      if (parts > 1 && gr.R >= 12) {  // rows: multiples of 6, so each tile runs whole 6-row register tiles
+        const int64_t rows = ((gr.R + parts - 1) / parts + 5) / 6 * 6;
+        for (int64_t a = 0; a < gr.R; a += rows) tilesC[w].push_back(Tile{k, a, a + rows < gr.R ? a + rows : gr.R, 0, D});
+      } else if (parts > 1 && D >= 32) {  // columns: multiples of 16
+        const int64_t vecs = (D + 15) / 16, cols = (vecs + parts - 1) / parts * 16;
+        for (int64_t c = 0; c < D; c += cols) tilesC[w].push_back(Tile{k, 0, gr.R, c, c + cols < D ? c + cols : D});
+        split_cols[w] = 1;
+      } else {
+        tilesC[w].push_back(Tile{k, 0, gr.R, 0, D});
+      }
+    }
+  }
+  auto score_row = [&](const Group& gr, int r) { return sbuf + gr.sc + r * (gr.Tmax + 8); };
+  auto softmax_rows = [&](const Group& gr, int64_t r0, int64_t r1, float* rest, float* inv) {
+    const Segment& g = *gr.g;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = (gr.q0 + r) / G, Tv = g.allowed ? g.p + g.n : g.p + i + 1;
+      float* sr = score_row(gr, static_cast<int>(r));
+      inv[r] = row_softmax(g, i, sr, Tv, rest);
+      for (int64_t t = Tv; t < gr.Tmax; ++t) sr[t] = 0.0f;  // keys past the row's own add zeros (exactly)
+    }
+  };
+  std::vector<float> inv_all(groups.size() * kGroupRows);
 #pragma omp parallel
   {
-    std::vector<float> sc(B * lds), q(D), qp(B * D), rest(widest + 16);
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < first[nseg]; ++item) {
-      int64_t s = 0;
-      while (item >= first[s + 1]) ++s;
-      const Segment& g = segs[s];
-      const int64_t blocks = (g.n * G + B - 1) / B, local = item - first[s];
-      const int64_t kv = local / blocks, q0 = local % blocks * B;
-      const int R = static_cast<int>(g.n * G - q0 < B ? g.n * G - q0 : B), P = (R + 1) / 2;
-      int64_t tok[B], Tv[B], Tmax = 0;
-      float* srow[B];
-      float* o[B];
-      for (int r = 0; r < 2 * P; ++r) {  // an odd block's last pair repeats its last row (output unused)
-        const int64_t qi = q0 + (r < R ? r : R - 1), i = qi / G, h = kv * G + qi % G;
-        tok[r] = i;
-        Tv[r] = g.allowed ? g.p + g.n : g.p + i + 1;  // causal: new tokens up to i; a tree masks below
-        Tmax = Tv[r] > Tmax ? Tv[r] : Tmax;
-        srow[r] = sc.data() + r * lds;
-        o[r] = out + (g.row0 + i) * H * D + h * D;
-        rope(qkv + (g.row0 + i) * row + h * D, g.cos + i * D, g.sin + i * D, d, q.data());
-        for (int k = 0; k < steps; ++k)
-          memcpy(qp.data() + ((r / 2) * steps + k) * 16 + (r % 2) * 8, q.data() + 8 * k, sizeof(float) * 8);
+    const int64_t lda = (D + 15) / 16 * 16;  // accumulator rows: whole vectors
+    std::vector<float> q(D), qp(kGroupRows * D), rest(widest + 16), acc(kGroupRows * lda);
+    for (size_t w = 0; w + 1 < waves.size(); ++w) {
+      // A: scores of each group's rows over a key range, a block of keys at a time
+#pragma omp for schedule(dynamic, 1)
+      for (size_t t = 0; t < tilesA[w].size(); ++t) {
+        const Tile& tl = tilesA[w][t];
+        const Group& gr = groups[tl.group];
+        const Segment& g = *gr.g;
+        float* srow[kGroupRows];
+        for (int r = 0; r < 2 * gr.P; ++r) {
+          const int64_t qi = gr.q0 + (r < gr.R ? r : gr.R - 1), i = qi / G, h = gr.kv * G + qi % G;
+          srow[r] = score_row(gr, r);
+          rope(qkv + (g.row0 + i) * row + h * D, g.cos + i * D, g.sin + i * D, d, q.data());
+          for (int k = 0; k < steps; ++k)
+            memcpy(qp.data() + ((r / 2) * steps + k) * 16 + (r % 2) * 8, q.data() + 8 * k, sizeof(float) * 8);
+        }
+        const float* kh = g.keys + gr.kv * g.cap * D;
+        for (int64_t j0 = tl.a0; j0 < tl.a1; j0 += kBlock) {
+          const int64_t len = tl.a1 - j0 < kBlock ? tl.a1 - j0 : kBlock;
+          for (int p0 = 0; p0 < gr.P; p0 += kPairs512) {
+            float* s[2 * kPairs512];
+            for (int r = 0; r < 2 * kPairs512 && 2 * p0 + r < 2 * gr.P; ++r) s[r] = srow[2 * p0 + r] + j0;
+            const float* qq = qp.data() + p0 * steps * 16;
+            const int np = gr.P - p0 < kPairs512 ? gr.P - p0 : kPairs512;
+            switch (d) {  // head sizes with unrolled loops
+              case 64: scores_pairs<8>(np, qq, kh + j0 * D, len, d, scale, s); break;
+              case 128: scores_pairs<16>(np, qq, kh + j0 * D, len, d, scale, s); break;
+              default: scores_pairs<0>(np, qq, kh + j0 * D, len, d, scale, s); break;
+            }
+          }
+        }
       }
-      const float* kh = g.keys + kv * g.cap * D;
-      const float* vh = g.vals + kv * g.cap * D;
-      switch (P) {
-        case 4: scores512<4>(qp.data(), kh, Tmax, d, scale, srow); break;
-        case 3: scores512<3>(qp.data(), kh, Tmax, d, scale, srow); break;
-        case 2: scores512<2>(qp.data(), kh, Tmax, d, scale, srow); break;
-        default: scores512<1>(qp.data(), kh, Tmax, d, scale, srow); break;
+      // B: softmax numerators, when C's tiles share rows
+      if (split_cols[w]) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t k = waves[w]; k < waves[w + 1]; ++k)
+          softmax_rows(groups[k], 0, groups[k].R, rest.data(), inv_all.data() + k * kGroupRows);
       }
-      float inv[B];
-      for (int r = 0; r < R; ++r) {
-        inv[r] = row_softmax(g, tok[r], srow[r], Tv[r], rest.data());
-        for (int64_t t = Tv[r]; t < Tmax; ++t) srow[r][t] = 0.0f;  // keys past the row's own add zeros (exactly)
-      }
-      for (int r0 = 0; r0 < R; r0 += 4) {
-        switch (R - r0 < 4 ? R - r0 : 4) {
-          case 4: weighted512_cols<4>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
-          case 3: weighted512_cols<3>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
-          case 2: weighted512_cols<2>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
-          default: weighted512_cols<1>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
+      // C: weighted sums, a block of values at a time for the tile's rows and columns
+#pragma omp for schedule(dynamic, 1)
+      for (size_t t = 0; t < tilesC[w].size(); ++t) {
+        const Tile& tl = tilesC[w][t];
+        const Group& gr = groups[tl.group];
+        const Segment& g = *gr.g;
+        float* inv = inv_all.data() + tl.group * kGroupRows;
+        if (!split_cols[w]) softmax_rows(gr, tl.a0, tl.a1, rest.data(), inv);
+        const float* e[kGroupRows];
+        float* o[kGroupRows];
+        for (int64_t r = tl.a0; r < tl.a1; ++r) {
+          const int64_t qi = gr.q0 + r, i = qi / G, h = gr.kv * G + qi % G;
+          e[r] = score_row(gr, static_cast<int>(r));
+          o[r] = out + (g.row0 + i) * H * D + h * D;
+        }
+        const float* vh = g.vals + gr.kv * g.cap * D;
+        for (int64_t j0 = 0; j0 < gr.Tmax; j0 += kBlock) {
+          const int64_t j1 = gr.Tmax - j0 < kBlock ? gr.Tmax : j0 + kBlock;
+          const bool first = j0 == 0, final = j1 == gr.Tmax;
+          for (int64_t c0 = tl.c0; c0 < tl.c1; c0 += 64) {
+            const int64_t cols = tl.c1 - c0 < 64 ? tl.c1 - c0 : 64, W = (cols + 15) / 16;
+            const __mmask16 last = cols % 16 ? static_cast<__mmask16>(0x00FF) : static_cast<__mmask16>(0xFFFF);
+            const int step = W >= 4 ? rows_for(4) : rows_for(1);
+            for (int64_t r = tl.a0; r < tl.a1; r += step) {
+              const int R = static_cast<int>(tl.a1 - r < step ? tl.a1 - r : step);
+              float* a = acc.data() + (r - tl.a0) * lda + (c0 - tl.c0);
+              float* oc[kGroupRows];
+              for (int k = 0; k < R; ++k) oc[k] = o[r + k] + c0;
+              const float* iv = final ? inv + r : nullptr;
+              switch (W) {
+                case 4: weighted_block_rows<4>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last); break;
+                case 3: weighted_block_rows<3>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last); break;
+                case 2: weighted_block_rows<2>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last); break;
+                default: weighted_block_rows<1>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last); break;
+              }
+            }
+          }
         }
       }
     }
