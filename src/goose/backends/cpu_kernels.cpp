@@ -310,6 +310,16 @@ inline float softmax_numerators(float* s, int64_t T, const uint8_t* seen = nullp
                                 float* rest = nullptr) {
   __m256 mx = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
+#ifdef __AVX512F__
+  // four independent max chains (the max of finite scores is the same value in any order; a zero's sign
+  // does not change any e^(s - max))
+  __m512 m4[4];
+  for (int u = 0; u < 4; ++u) m4[u] = _mm512_set1_ps(-INFINITY);
+  for (; j + 64 <= T; j += 64)
+    for (int u = 0; u < 4; ++u) m4[u] = _mm512_max_ps(m4[u], _mm512_loadu_ps(s + j + 16 * u));
+  const __m512 m16 = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
+  mx = _mm256_max_ps(_mm512_castps512_ps256(m16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1)));
+#endif
   for (; j + 8 <= T; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
   float buf[8];
   _mm256_storeu_ps(buf, mx);
@@ -865,89 +875,102 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
     }
   };
   std::vector<float> inv_all(groups.size() * kGroupRows);
+  const int64_t lda = (D + 15) / 16 * 16;  // accumulator rows: whole vectors
+  struct Scratch {
+    std::vector<float> q, qp, rest, acc;
+  };
+  // A: scores of a group's rows over a key range, a block of keys at a time
+  auto run_scores = [&](const Tile& tl, Scratch& w) {
+    const Group& gr = groups[tl.group];
+    const Segment& g = *gr.g;
+    float* srow[kGroupRows];
+    for (int r = 0; r < 2 * gr.P; ++r) {
+      const int64_t qi = gr.q0 + (r < gr.R ? r : gr.R - 1), i = qi / G, h = gr.kv * G + qi % G;
+      srow[r] = score_row(gr, r);
+      rope(qkv + (g.row0 + i) * row + h * D, g.cos + i * D, g.sin + i * D, d, w.q.data());
+      for (int k = 0; k < steps; ++k)
+        memcpy(w.qp.data() + ((r / 2) * steps + k) * 16 + (r % 2) * 8, w.q.data() + 8 * k, sizeof(float) * 8);
+    }
+    const float* kh = g.keys + gr.kv * g.cap * D;
+    for (int64_t j0 = tl.a0; j0 < tl.a1; j0 += kBlock) {
+      const int64_t len = tl.a1 - j0 < kBlock ? tl.a1 - j0 : kBlock;
+      for (int p0 = 0; p0 < gr.P; p0 += kPairs512) {
+        float* s[2 * kPairs512];
+        for (int r = 0; r < 2 * kPairs512 && 2 * p0 + r < 2 * gr.P; ++r) s[r] = srow[2 * p0 + r] + j0;
+        const float* qq = w.qp.data() + p0 * steps * 16;
+        const int np = gr.P - p0 < kPairs512 ? gr.P - p0 : kPairs512;
+        // the first row pairs fetch the next block (or what of it the tile reads)
+        const float* pf = p0 == 0 && j0 + len + len <= tl.a1 ? kh + (j0 + len) * D : nullptr;
+        switch (d) {  // head sizes with unrolled loops
+          case 64: scores_pairs<8>(np, qq, kh + j0 * D, len, d, scale, s, pf); break;
+          case 128: scores_pairs<16>(np, qq, kh + j0 * D, len, d, scale, s, pf); break;
+          default: scores_pairs<0>(np, qq, kh + j0 * D, len, d, scale, s, pf); break;
+        }
+      }
+    }
+  };
+  // C: weighted sums of a tile's rows and columns, a block of values at a time (B first when `softmax`)
+  auto run_weighted = [&](const Tile& tl, Scratch& w, bool softmax) {
+    const Group& gr = groups[tl.group];
+    const Segment& g = *gr.g;
+    float* inv = inv_all.data() + tl.group * kGroupRows;
+    if (softmax) softmax_rows(gr, tl.a0, tl.a1, w.rest.data(), inv);
+    const float* e[kGroupRows];
+    float* o[kGroupRows];
+    for (int64_t r = tl.a0; r < tl.a1; ++r) {
+      const int64_t qi = gr.q0 + r, i = qi / G, h = gr.kv * G + qi % G;
+      e[r] = score_row(gr, static_cast<int>(r));
+      o[r] = out + (g.row0 + i) * H * D + h * D;
+    }
+    const float* vh = g.vals + gr.kv * g.cap * D;
+    for (int64_t j0 = 0; j0 < gr.Tmax; j0 += kBlock) {
+      const int64_t j1 = gr.Tmax - j0 < kBlock ? gr.Tmax : j0 + kBlock;
+      const bool first = j0 == 0, final = j1 == gr.Tmax;
+      for (int64_t c0 = tl.c0; c0 < tl.c1; c0 += 64) {
+        const int64_t cols = tl.c1 - c0 < 64 ? tl.c1 - c0 : 64, W = (cols + 15) / 16;
+        const __mmask16 last = cols % 16 ? static_cast<__mmask16>(0x00FF) : static_cast<__mmask16>(0xFFFF);
+        const int step = W >= 4 ? rows_for(4) : rows_for(1);
+        for (int64_t r = tl.a0; r < tl.a1; r += step) {
+          const int R = static_cast<int>(tl.a1 - r < step ? tl.a1 - r : step);
+          float* a = w.acc.data() + (r - tl.a0) * lda + (c0 - tl.c0);
+          float* oc[kGroupRows];
+          for (int k = 0; k < R; ++k) oc[k] = o[r + k] + c0;
+          const float* iv = final ? inv + r : nullptr;
+          const int64_t ahead = r == tl.a0 && j1 + (j1 - j0) <= gr.Tmax ? j1 - j0 : 0;  // the next block
+          switch (W) {
+            case 4: weighted_block_rows<4>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
+            case 3: weighted_block_rows<3>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
+            case 2: weighted_block_rows<2>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
+            default: weighted_block_rows<1>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
+          }
+        }
+      }
+    }
+  };
 #pragma omp parallel
   {
-    const int64_t lda = (D + 15) / 16 * 16;  // accumulator rows: whole vectors
-    std::vector<float> q(D), qp(kGroupRows * D), rest(widest + 16), acc(kGroupRows * lda);
-    for (size_t w = 0; w + 1 < waves.size(); ++w) {
-      // A: scores of each group's rows over a key range, a block of keys at a time
+    Scratch w{std::vector<float>(D), std::vector<float>(kGroupRows * D), std::vector<float>(widest + 16),
+              std::vector<float>(kGroupRows * lda)};
+    for (size_t v = 0; v + 1 < waves.size(); ++v) {
+      if (static_cast<int64_t>(tilesA[v].size()) == waves[v + 1] - waves[v] &&
+          tilesC[v].size() == tilesA[v].size()) {
+        // no group split: a group's three phases in one work item, without barriers between them
 #pragma omp for schedule(dynamic, 1)
-      for (size_t t = 0; t < tilesA[w].size(); ++t) {
-        const Tile& tl = tilesA[w][t];
-        const Group& gr = groups[tl.group];
-        const Segment& g = *gr.g;
-        float* srow[kGroupRows];
-        for (int r = 0; r < 2 * gr.P; ++r) {
-          const int64_t qi = gr.q0 + (r < gr.R ? r : gr.R - 1), i = qi / G, h = gr.kv * G + qi % G;
-          srow[r] = score_row(gr, r);
-          rope(qkv + (g.row0 + i) * row + h * D, g.cos + i * D, g.sin + i * D, d, q.data());
-          for (int k = 0; k < steps; ++k)
-            memcpy(qp.data() + ((r / 2) * steps + k) * 16 + (r % 2) * 8, q.data() + 8 * k, sizeof(float) * 8);
+        for (size_t t = 0; t < tilesA[v].size(); ++t) {
+          run_scores(tilesA[v][t], w);
+          run_weighted(tilesC[v][t], w, true);
         }
-        const float* kh = g.keys + gr.kv * g.cap * D;
-        for (int64_t j0 = tl.a0; j0 < tl.a1; j0 += kBlock) {
-          const int64_t len = tl.a1 - j0 < kBlock ? tl.a1 - j0 : kBlock;
-          for (int p0 = 0; p0 < gr.P; p0 += kPairs512) {
-            float* s[2 * kPairs512];
-            for (int r = 0; r < 2 * kPairs512 && 2 * p0 + r < 2 * gr.P; ++r) s[r] = srow[2 * p0 + r] + j0;
-            const float* qq = qp.data() + p0 * steps * 16;
-            const int np = gr.P - p0 < kPairs512 ? gr.P - p0 : kPairs512;
-            // the first row pairs fetch the next block (or what of it the tile reads)
-            const float* pf = p0 == 0 && j0 + len + len <= tl.a1 ? kh + (j0 + len) * D : nullptr;
-            switch (d) {  // head sizes with unrolled loops
-              case 64: scores_pairs<8>(np, qq, kh + j0 * D, len, d, scale, s, pf); break;
-              case 128: scores_pairs<16>(np, qq, kh + j0 * D, len, d, scale, s, pf); break;
-              default: scores_pairs<0>(np, qq, kh + j0 * D, len, d, scale, s, pf); break;
-            }
-          }
-        }
+        continue;
       }
-      // B: softmax numerators, when C's tiles share rows
-      if (split_cols[w]) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t k = waves[w]; k < waves[w + 1]; ++k)
-          softmax_rows(groups[k], 0, groups[k].R, rest.data(), inv_all.data() + k * kGroupRows);
-      }
-      // C: weighted sums, a block of values at a time for the tile's rows and columns
+      for (size_t t = 0; t < tilesA[v].size(); ++t) run_scores(tilesA[v][t], w);
+      if (split_cols[v]) {  // B: softmax numerators, when C's tiles share rows
 #pragma omp for schedule(dynamic, 1)
-      for (size_t t = 0; t < tilesC[w].size(); ++t) {
-        const Tile& tl = tilesC[w][t];
-        const Group& gr = groups[tl.group];
-        const Segment& g = *gr.g;
-        float* inv = inv_all.data() + tl.group * kGroupRows;
-        if (!split_cols[w]) softmax_rows(gr, tl.a0, tl.a1, rest.data(), inv);
-        const float* e[kGroupRows];
-        float* o[kGroupRows];
-        for (int64_t r = tl.a0; r < tl.a1; ++r) {
-          const int64_t qi = gr.q0 + r, i = qi / G, h = gr.kv * G + qi % G;
-          e[r] = score_row(gr, static_cast<int>(r));
-          o[r] = out + (g.row0 + i) * H * D + h * D;
-        }
-        const float* vh = g.vals + gr.kv * g.cap * D;
-        for (int64_t j0 = 0; j0 < gr.Tmax; j0 += kBlock) {
-          const int64_t j1 = gr.Tmax - j0 < kBlock ? gr.Tmax : j0 + kBlock;
-          const bool first = j0 == 0, final = j1 == gr.Tmax;
-          for (int64_t c0 = tl.c0; c0 < tl.c1; c0 += 64) {
-            const int64_t cols = tl.c1 - c0 < 64 ? tl.c1 - c0 : 64, W = (cols + 15) / 16;
-            const __mmask16 last = cols % 16 ? static_cast<__mmask16>(0x00FF) : static_cast<__mmask16>(0xFFFF);
-            const int step = W >= 4 ? rows_for(4) : rows_for(1);
-            for (int64_t r = tl.a0; r < tl.a1; r += step) {
-              const int R = static_cast<int>(tl.a1 - r < step ? tl.a1 - r : step);
-              float* a = acc.data() + (r - tl.a0) * lda + (c0 - tl.c0);
-              float* oc[kGroupRows];
-              for (int k = 0; k < R; ++k) oc[k] = o[r + k] + c0;
-              const float* iv = final ? inv + r : nullptr;
-              const int64_t ahead = r == tl.a0 && j1 + (j1 - j0) <= gr.Tmax ? j1 - j0 : 0;  // the next block
-              switch (W) {
-                case 4: weighted_block_rows<4>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
-                case 3: weighted_block_rows<3>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
-                case 2: weighted_block_rows<2>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
-                default: weighted_block_rows<1>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
-              }
-            }
-          }
-        }
+        for (int64_t k = waves[v]; k < waves[v + 1]; ++k)
+          softmax_rows(groups[k], 0, groups[k].R, w.rest.data(), inv_all.data() + k * kGroupRows);
       }
+#pragma omp for schedule(dynamic, 1)
+      for (size_t t = 0; t < tilesC[v].size(); ++t) run_weighted(tilesC[v][t], w, !split_cols[v]);
     }
   }
 }
