@@ -726,7 +726,7 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
 // the query rows of a sequence. A group is up to kGroupRows query rows of one segment that read one kv head
 // (row q = token q / G, query head kv G + q % G). A layer's groups go through three phases in one parallel
 // region (in waves whose score rows fit kWaveFloats):
-//  A. scores: tiles of (group, key range); each block of kBlock keys is loaded into L1 once and used by all
+//  A. scores: tiles of (group, key range); each block of keys (kBlockFloats) is loaded into L1 once and used by all
 //     the group's rows, two rows per register (scores512);
 //  B. each row's softmax numerators (row_softmax), in place;
 //  C. weighted sums: tiles of (group, rows, columns); each block of values is used by the tile's rows, whose
@@ -735,7 +735,7 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
 // heads): by key range in A, by rows (many) or columns (few rows) in C; B runs inside C's tiles when C is
 // not split by columns. No tile's numbers depend on the split.
 constexpr int kGroupRows = 48;            // query rows per group (a multiple of 6 and of 8)
-constexpr int64_t kBlock = 64;            // keys (values) per block: 16 KB at D = 64
+constexpr int64_t kBlockFloats = 4096;   // a block of keys (values): 16 KB, 64 keys at D = 64
 constexpr int64_t kWaveFloats = 1 << 19;  // score rows per wave (2 MB)
 
 struct Group {
@@ -841,6 +841,7 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
   if (static_cast<int64_t>(scores_buf.size()) < arena) scores_buf.resize(arena);
   float* const sbuf = scores_buf.data();
   const int threads = omp_get_max_threads();
+  const int64_t block = kBlockFloats / D < 16 ? 16 : kBlockFloats / D / 4 * 4;  // keys per block, a multiple of 4
   // Tiles per wave, per phase (A, then C); split_cols: C splits columns, so B runs as its own phase.
   std::vector<std::vector<Tile>> tilesA(waves.size() - 1), tilesC(waves.size() - 1);
   std::vector<char> split_cols(waves.size() - 1, 0);
@@ -849,7 +850,7 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
     const int64_t parts = threads > 1 ? (2 * threads + n - 1) / n : 1;  // tiles per group for ~2 per thread
     for (int64_t k = waves[w]; k < waves[w + 1]; ++k) {
       const Group& gr = groups[k];
-      const int64_t blocks = (gr.Tmax + kBlock - 1) / kBlock, per = (blocks + parts - 1) / parts * kBlock;
+      const int64_t blocks = (gr.Tmax + block - 1) / block, per = (blocks + parts - 1) / parts * block;
       for (int64_t a = 0; a < gr.Tmax; a += per)
         tilesA[w].push_back(Tile{k, a, a + per < gr.Tmax ? a + per : gr.Tmax, 0, D});
       if (parts > 1 && gr.R >= 12) {  // rows: multiples of 6, so each tile runs whole 6-row register tiles
@@ -892,8 +893,8 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
         memcpy(w.qp.data() + ((r / 2) * steps + k) * 16 + (r % 2) * 8, w.q.data() + 8 * k, sizeof(float) * 8);
     }
     const float* kh = g.keys + gr.kv * g.cap * D;
-    for (int64_t j0 = tl.a0; j0 < tl.a1; j0 += kBlock) {
-      const int64_t len = tl.a1 - j0 < kBlock ? tl.a1 - j0 : kBlock;
+    for (int64_t j0 = tl.a0; j0 < tl.a1; j0 += block) {
+      const int64_t len = tl.a1 - j0 < block ? tl.a1 - j0 : block;
       for (int p0 = 0; p0 < gr.P; p0 += kPairs512) {
         float* s[2 * kPairs512];
         for (int r = 0; r < 2 * kPairs512 && 2 * p0 + r < 2 * gr.P; ++r) s[r] = srow[2 * p0 + r] + j0;
@@ -923,8 +924,8 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
       o[r] = out + (g.row0 + i) * H * D + h * D;
     }
     const float* vh = g.vals + gr.kv * g.cap * D;
-    for (int64_t j0 = 0; j0 < gr.Tmax; j0 += kBlock) {
-      const int64_t j1 = gr.Tmax - j0 < kBlock ? gr.Tmax : j0 + kBlock;
+    for (int64_t j0 = 0; j0 < gr.Tmax; j0 += block) {
+      const int64_t j1 = gr.Tmax - j0 < block ? gr.Tmax : j0 + block;
       const bool first = j0 == 0, final = j1 == gr.Tmax;
       for (int64_t c0 = tl.c0; c0 < tl.c1; c0 += 64) {
         const int64_t cols = tl.c1 - c0 < 64 ? tl.c1 - c0 : 64, W = (cols + 15) / 16;
