@@ -273,6 +273,10 @@ def test_attention_bits_do_not_depend_on_threads_or_variant(n, kh, group, d, pre
     """Every row's bits are the same whatever the number of threads (which changes how the AVX-512 kernel
     splits keys, rows and columns into work items) and in both variants; up to 360 rows per kv head (several
     row groups) and hundreds of keys (several key blocks)."""
+    _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed)
+
+
+def _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed):
     g = torch.Generator().manual_seed(seed)
     allowed = random_tree_mask(n, g) if tree else None
     ref, ref_cache = _attention_with_threads(KERNEL, 1, kh * group, kh, d, n, prefix, allowed, seed)
@@ -280,6 +284,19 @@ def test_attention_bits_do_not_depend_on_threads_or_variant(n, kh, group, d, pre
         for threads in (1, 2, 3, 5):
             out, cache = _attention_with_threads(kern, threads, kh * group, kh, d, n, prefix, allowed, seed)
             assert torch.equal(out, ref) and torch.equal(cache, ref_cache), (kern.variant, threads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, kh, group, d, prefix, tree", [
+    (1, 3, 3, 64, 1000, False),   # one token, 3 kv heads: keys split by range, values by columns
+    (16, 3, 3, 64, 300, True),    # a 16-node tree: 48 rows per kv head, values split by rows
+    (5, 1, 2, 72, 2000, False),   # a partial last column vector, split into 16-column tiles
+    (3, 2, 4, 128, 700, True),
+])
+def test_attention_split_over_threads_keeps_the_bits(n, kh, group, d, prefix, tree):
+    """Steps with few kv heads and long caches, whose groups the AVX-512 kernel splits over the threads (by key
+    range, rows or columns): the same bits with 1, 2, 3 and 5 threads and in both variants."""
+    _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, 11)
 
 
 @needs_kernel

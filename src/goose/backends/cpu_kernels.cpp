@@ -467,9 +467,9 @@ void linear512(const float* x, int64_t M, int64_t K, const float* packed, int64_
 //
 // Query rows go in pairs: one zmm holds 8 values of each row of a pair (lanes 0-7 the first, 8-15 the
 // second), and each lane does exactly what the 8-lane code does for its row, in the same order, so every
-// score and output is bit-identical to the AVX2 variant's. A work item takes up to kPairs512 pairs of query
-// rows that read one kv head (several tokens and the query heads of their group): each key and value vector
-// is loaded once for all of them, where the 8-lane code loads it once per token.
+// score and output is bit-identical to the AVX2 variant's. A score tile takes up to kPairs512 pairs of query
+// rows that read one kv head (several tokens and the query heads of their group): each key vector is loaded
+// once for all of them (see attention512 for how the rows of a whole sequence share a block of keys).
 constexpr int kPairs512 = 4;
 
 inline __m512 both_halves(const float* p) {  // 8 floats in lanes 0-7 and again in 8-15
@@ -726,17 +726,21 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
 // the query rows of a sequence. A group is up to kGroupRows query rows of one segment that read one kv head
 // (row q = token q / G, query head kv G + q % G). A layer's groups go through three phases in one parallel
 // region (in waves whose score rows fit kWaveFloats):
-//  A. scores: tiles of (group, key range); each block of keys (kBlockFloats) is loaded into L1 once and used by all
-//     the group's rows, two rows per register (scores512);
+//  A. scores: tiles of (group, key range); each block of keys (kBlockFloats) is loaded into L1 once (the
+//     next one prefetched into L2 meanwhile) and used by all the group's rows, two rows per register
+//     (scores512, kPairs512 pairs at a time);
 //  B. each row's softmax numerators (row_softmax), in place;
 //  C. weighted sums: tiles of (group, rows, columns); each block of values is used by the tile's rows, whose
 //     accumulators are kept between blocks, so every output is still one FMA chain over j in order.
 // Tiles split the work over the threads even with fewer groups than threads (one sequence with few kv
-// heads): by key range in A, by rows (many) or columns (few rows) in C; B runs inside C's tiles when C is
-// not split by columns. No tile's numbers depend on the split.
+// heads, 3 on 2 threads): by key range in A, by rows (many) or columns (few rows) in C; B runs inside C's
+// tiles when C is not split by columns, and when no group is split a group's phases are one work item (no
+// barrier between them). No tile's numbers depend on the split.
 constexpr int kGroupRows = 48;            // query rows per group (a multiple of 6 and of 8)
 constexpr int64_t kBlockFloats = 4096;   // a block of keys (values): 16 KB, 64 keys at D = 64
 constexpr int64_t kWaveFloats = 1 << 19;  // score rows per wave (2 MB)
+constexpr int64_t kSplitWork = 12288;     // keys x rows of a wave from which groups are split over threads
+                                          // (one token's 3 kv heads at 512 cached tokens)
 
 struct Group {
   const Segment* g;
@@ -847,7 +851,10 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
   std::vector<char> split_cols(waves.size() - 1, 0);
   for (size_t w = 0; w + 1 < waves.size(); ++w) {
     const int64_t n = waves[w + 1] - waves[w];
-    const int64_t parts = threads > 1 ? (2 * threads + n - 1) / n : 1;  // tiles per group for ~2 per thread
+    int64_t work = 0;  // keys x rows (at least 8 rows: a few rows cost the time to read their keys)
+    for (int64_t k = waves[w]; k < waves[w + 1]; ++k) work += groups[k].Tmax * (groups[k].P < 4 ? 8 : 2 * groups[k].P);
+    // tiles per group for ~2 per thread, when the work pays for the barriers between phases
+    const int64_t parts = threads > 1 && work >= kSplitWork ? (2 * threads + n - 1) / n : 1;
     for (int64_t k = waves[w]; k < waves[w + 1]; ++k) {
       const Group& gr = groups[k];
       const int64_t blocks = (gr.Tmax + block - 1) / block, per = (blocks + parts - 1) / parts * block;
