@@ -16,7 +16,6 @@ L = 1024) exceed the L2 caches, as a real model's do.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import random
 import time
 from pathlib import Path

@@ -15,8 +15,9 @@ F/BW/VL + AVX2 + FMA: the linear layer on 16-lane registers, tiles of up to 12 r
 query rows of a sequence that read one kv head (the query heads of all its new tokens, up to 48 rows per
 group) over blocks of 16 KB of keys, then of values, so each key and value is read from memory once per
 layer for all of them; two rows per register in the scores; the threads split a group's keys, rows or columns
-when there are fewer groups than threads. On AVX2 a work item is one token's query heads of a kv head. Top-k is the same 8-lane code in both. Both give bit-identical results (same packed layout, same FMA
-chain per output, the same per-lane arithmetic in attention);
+when there are fewer groups than threads. On AVX2 a work item is one token's query heads of a kv head.
+Top-k is the same 8-lane code in both. Both give bit-identical results (same packed layout, same FMA chain
+per output, the same per-lane arithmetic in attention);
 ``GOOSE_KERNEL_VARIANT=avx2`` picks a lower variant (for comparisons; the quantized kernels of
 `goose.backends.quant` follow it too).
 
