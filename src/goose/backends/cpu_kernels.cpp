@@ -483,16 +483,18 @@ inline __m512 hadd512(__m512 a, __m512 b) {
 
 // scores (see `scores`) of P row pairs, qp [P][D / 8][16] (pair-interleaved), over keys [T][D]; row r's
 // scores go to s[r] (2 P row pointers). S: D / 8 when known at compile time (the loops then unroll and the
-// accumulators stay in registers), else 0. pf (or null): the next keys to fetch into L2 meanwhile, as many
-// as these.
+// accumulators stay in registers), else 0. pf (or null): pf_lines cache lines from there to fetch into L2
+// meanwhile, spread evenly over the keys (a few per 4 keys, so they never crowd the line fill buffers).
 template <int P, int S = 0>
 inline void scores512(const float* qp, const float* keys, int64_t T, int D, float scale, float* const* s,
-                      const float* pf = nullptr) {
+                      const float* pf = nullptr, int64_t pf_lines = 0) {
   const __m512 sc = _mm512_set1_ps(scale);
   const int steps = S ? S : D / 8;
+  const int64_t per = pf ? (pf_lines + (T + 3) / 4 - 1) / ((T + 3) / 4) : 0;  // lines per 4 keys
   for (int64_t j0 = 0; j0 < T; j0 += 4) {
     if (pf)
-      for (int64_t b = 0; b < 4 * D; b += 16) _mm_prefetch(reinterpret_cast<const char*>(pf + j0 * D + b), _MM_HINT_T1);
+      for (int64_t l = j0 / 4 * per; l < (j0 / 4 + 1) * per && l < pf_lines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * l, _MM_HINT_T1);
     const float* k[4];
 #pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) k[t] = keys + (j0 + t < T ? j0 + t : T - 1) * D;
@@ -755,16 +757,17 @@ struct Tile {
 
 // o[r][c0..c0 + 16 W) (the last vector only the lanes in `last`) for R rows over values j in [j0, j1) (v is
 // already offset to column c0): accumulators from acc (rows of stride lda; zeros when `first`), back to acc,
-// or when `inv` is given times inv[r] into o[r]. ahead (or 0): prefetch distance in values.
+// or when `inv` is given times inv[r] into o[r]. ahead (or 0): prefetch distance in values, for the values j
+// with j % pf_every == pf_at.
 template <int R, int W>
 inline void weighted_block(const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D, float* acc,
                            int64_t lda, bool first, const float* inv, float* const* o, __mmask16 last,
-                           int64_t ahead) {
+                           int64_t ahead, int64_t pf_every, int64_t pf_at) {
   __m512 a[R][W];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < W; ++c) a[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * lda + 16 * c);
   for (int64_t j = j0; j < j1; ++j) {
-    if (ahead)  // fetch the same columns of value j + ahead into L2 meanwhile
+    if (ahead && j % pf_every == pf_at)  // fetch the same columns of value j + ahead into L2 meanwhile
       for (int c = 0; c < W; ++c) _mm_prefetch(reinterpret_cast<const char*>(v + (j + ahead) * D + 16 * c), _MM_HINT_T1);
     __m512 vv[W];
     for (int c = 0; c < W; ++c) vv[c] = _mm512_maskz_loadu_ps(c == W - 1 ? last : 0xFFFF, v + j * D + 16 * c);
@@ -790,27 +793,27 @@ constexpr int rows_for(int W) { return W >= 4 ? 6 : 8; }
 template <int W>
 inline void weighted_block_rows(int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
                                 float* acc, int64_t lda, bool first, const float* inv, float* const* o,
-                                __mmask16 last, int64_t ahead) {
+                                __mmask16 last, int64_t ahead, int64_t pf_every, int64_t pf_at) {
   switch (R) {
-    case 8: if constexpr (rows_for(W) >= 8) weighted_block<8, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead); break;
-    case 7: if constexpr (rows_for(W) >= 7) weighted_block<7, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead); break;
-    case 6: weighted_block<6, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead); break;
-    case 5: weighted_block<5, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead); break;
-    case 4: weighted_block<4, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead); break;
-    case 3: weighted_block<3, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead); break;
-    case 2: weighted_block<2, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead); break;
-    default: weighted_block<1, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead); break;
+    case 8: if constexpr (rows_for(W) >= 8) weighted_block<8, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 7: if constexpr (rows_for(W) >= 7) weighted_block<7, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 6: weighted_block<6, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 5: weighted_block<5, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 4: weighted_block<4, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 3: weighted_block<3, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 2: weighted_block<2, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    default: weighted_block<1, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
   }
 }
 
 template <int S>
 inline void scores_pairs(int np, const float* qp, const float* keys, int64_t T, int D, float scale, float* const* s,
-                         const float* pf) {
+                         const float* pf, int64_t pf_lines) {
   switch (np) {
-    case 4: scores512<4, S>(qp, keys, T, D, scale, s, pf); break;
-    case 3: scores512<3, S>(qp, keys, T, D, scale, s, pf); break;
-    case 2: scores512<2, S>(qp, keys, T, D, scale, s, pf); break;
-    default: scores512<1, S>(qp, keys, T, D, scale, s, pf); break;
+    case 4: scores512<4, S>(qp, keys, T, D, scale, s, pf, pf_lines); break;
+    case 3: scores512<3, S>(qp, keys, T, D, scale, s, pf, pf_lines); break;
+    case 2: scores512<2, S>(qp, keys, T, D, scale, s, pf, pf_lines); break;
+    default: scores512<1, S>(qp, keys, T, D, scale, s, pf, pf_lines); break;
   }
 }
 
@@ -907,12 +910,15 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
         for (int r = 0; r < 2 * kPairs512 && 2 * p0 + r < 2 * gr.P; ++r) s[r] = srow[2 * p0 + r] + j0;
         const float* qq = w.qp.data() + p0 * steps * 16;
         const int np = gr.P - p0 < kPairs512 ? gr.P - p0 : kPairs512;
-        // the first row pairs fetch the next block (or what of it the tile reads)
-        const float* pf = p0 == 0 && j0 + len + len <= tl.a1 ? kh + (j0 + len) * D : nullptr;
+        // the row pairs fetch the tile's next block meanwhile, each pass over this block a share of its lines
+        const int64_t next = tl.a1 - (j0 + len) < block ? tl.a1 - (j0 + len) : block;
+        const int64_t lines = next * D / 16, passes = (gr.P + kPairs512 - 1) / kPairs512, pass = p0 / kPairs512;
+        const float* pf = next > 0 ? kh + (j0 + len) * D + pass * lines / passes * 16 : nullptr;
+        const int64_t pf_lines = (pass + 1) * lines / passes - pass * lines / passes;
         switch (d) {  // head sizes with unrolled loops
-          case 64: scores_pairs<8>(np, qq, kh + j0 * D, len, d, scale, s, pf); break;
-          case 128: scores_pairs<16>(np, qq, kh + j0 * D, len, d, scale, s, pf); break;
-          default: scores_pairs<0>(np, qq, kh + j0 * D, len, d, scale, s, pf); break;
+          case 64: scores_pairs<8>(np, qq, kh + j0 * D, len, d, scale, s, pf, pf_lines); break;
+          case 128: scores_pairs<16>(np, qq, kh + j0 * D, len, d, scale, s, pf, pf_lines); break;
+          default: scores_pairs<0>(np, qq, kh + j0 * D, len, d, scale, s, pf, pf_lines); break;
         }
       }
     }
@@ -944,12 +950,14 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
           float* oc[kGroupRows];
           for (int k = 0; k < R; ++k) oc[k] = o[r + k] + c0;
           const float* iv = final ? inv + r : nullptr;
-          const int64_t ahead = r == tl.a0 && j1 + (j1 - j0) <= gr.Tmax ? j1 - j0 : 0;  // the next block
+          // the next block, each row set fetching every sets-th value of it
+          const int64_t ahead = j1 + (j1 - j0) <= gr.Tmax ? j1 - j0 : 0, sets = (tl.a1 - tl.a0 + step - 1) / step;
+          const int64_t pf_every = sets, pf_at = (r - tl.a0) / step;
           switch (W) {
-            case 4: weighted_block_rows<4>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
-            case 3: weighted_block_rows<3>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
-            case 2: weighted_block_rows<2>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
-            default: weighted_block_rows<1>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead); break;
+            case 4: weighted_block_rows<4>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
+            case 3: weighted_block_rows<3>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
+            case 2: weighted_block_rows<2>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
+            default: weighted_block_rows<1>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
           }
         }
       }
