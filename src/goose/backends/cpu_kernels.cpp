@@ -822,8 +822,18 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
   const int64_t row = (H + 2 * Kh) * D, G = H / Kh;
   const int d = static_cast<int>(D), steps = d / 8;
   write_new_kv(qkv, H, Kh, D, segs, nseg);
-  std::vector<Group> groups;
-  std::vector<int64_t> waves{0};  // groups of wave w: [waves[w], waves[w + 1])
+  // the caller's plan and score rows, reused across calls (no allocation once grown)
+  thread_local struct {
+    std::vector<Group> groups;
+    std::vector<int64_t> waves, offA, offC;  // per wave: its first group, its first tile in tilesA / tilesC
+    std::vector<Tile> tilesA, tilesC;
+    std::vector<char> split_cols;  // per wave: C splits columns, so B runs as its own phase
+    std::vector<float> scores, inv;
+  } plan;
+  std::vector<Group>& groups = plan.groups;
+  std::vector<int64_t>& waves = plan.waves;
+  groups.clear();
+  waves.assign(1, 0);  // groups of wave w: [waves[w], waves[w + 1])
   int64_t widest = 0, wave_floats = 0, arena = 0;
   for (int64_t s = 0; s < nseg; ++s) {
     const Segment& g = segs[s];
@@ -844,15 +854,22 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
       }
   }
   waves.push_back(static_cast<int64_t>(groups.size()));
-  thread_local std::vector<float> scores_buf;  // the caller's, reused across calls
-  if (static_cast<int64_t>(scores_buf.size()) < arena) scores_buf.resize(arena);
-  float* const sbuf = scores_buf.data();
+  const size_t nwaves = waves.size() - 1;
+  if (static_cast<int64_t>(plan.scores.size()) < arena) plan.scores.resize(arena);
+  if (plan.inv.size() < groups.size() * kGroupRows) plan.inv.resize(groups.size() * kGroupRows);
+  float* const sbuf = plan.scores.data();
+  float* const inv_all = plan.inv.data();
   const int threads = omp_get_max_threads();
   const int64_t block = kBlockFloats / D < 16 ? 16 : kBlockFloats / D / 4 * 4;  // keys per block, a multiple of 4
-  // Tiles per wave, per phase (A, then C); split_cols: C splits columns, so B runs as its own phase.
-  std::vector<std::vector<Tile>> tilesA(waves.size() - 1), tilesC(waves.size() - 1);
-  std::vector<char> split_cols(waves.size() - 1, 0);
-  for (size_t w = 0; w + 1 < waves.size(); ++w) {
+  // Tiles per wave, per phase (A, then C)
+  std::vector<Tile>& tilesA = plan.tilesA;
+  std::vector<Tile>& tilesC = plan.tilesC;
+  tilesA.clear();
+  tilesC.clear();
+  plan.offA.assign(1, 0);
+  plan.offC.assign(1, 0);
+  plan.split_cols.assign(nwaves, 0);
+  for (size_t w = 0; w < nwaves; ++w) {
     const int64_t n = waves[w + 1] - waves[w];
     int64_t work = 0;  // keys x rows (at least 8 rows: a few rows cost the time to read their keys)
     for (int64_t k = waves[w]; k < waves[w + 1]; ++k) work += groups[k].Tmax * (groups[k].P < 4 ? 8 : 2 * groups[k].P);
@@ -861,20 +878,24 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
     for (int64_t k = waves[w]; k < waves[w + 1]; ++k) {
       const Group& gr = groups[k];
       const int64_t blocks = (gr.Tmax + block - 1) / block, per = (blocks + parts - 1) / parts * block;
-      for (int64_t a = 0; a < gr.Tmax; a += per)
-        tilesA[w].push_back(Tile{k, a, a + per < gr.Tmax ? a + per : gr.Tmax, 0, D});
+      for (int64_t a = 0; a < gr.Tmax; a += per) tilesA.push_back(Tile{k, a, a + per < gr.Tmax ? a + per : gr.Tmax, 0, D});
       if (parts > 1 && gr.R >= 12) {  // rows: multiples of 6, so each tile runs whole 6-row register tiles
         const int64_t rows = ((gr.R + parts - 1) / parts + 5) / 6 * 6;
-        for (int64_t a = 0; a < gr.R; a += rows) tilesC[w].push_back(Tile{k, a, a + rows < gr.R ? a + rows : gr.R, 0, D});
+        for (int64_t a = 0; a < gr.R; a += rows) tilesC.push_back(Tile{k, a, a + rows < gr.R ? a + rows : gr.R, 0, D});
       } else if (parts > 1 && D >= 32) {  // columns: multiples of 16
         const int64_t vecs = (D + 15) / 16, cols = (vecs + parts - 1) / parts * 16;
-        for (int64_t c = 0; c < D; c += cols) tilesC[w].push_back(Tile{k, 0, gr.R, c, c + cols < D ? c + cols : D});
-        split_cols[w] = 1;
+        for (int64_t c = 0; c < D; c += cols) tilesC.push_back(Tile{k, 0, gr.R, c, c + cols < D ? c + cols : D});
+        plan.split_cols[w] = 1;
       } else {
-        tilesC[w].push_back(Tile{k, 0, gr.R, 0, D});
+        tilesC.push_back(Tile{k, 0, gr.R, 0, D});
       }
     }
+    plan.offA.push_back(static_cast<int64_t>(tilesA.size()));
+    plan.offC.push_back(static_cast<int64_t>(tilesC.size()));
   }
+  const int64_t* offA = plan.offA.data();
+  const int64_t* offC = plan.offC.data();
+  const char* split_cols = plan.split_cols.data();
   auto score_row = [&](const Group& gr, int r) { return sbuf + gr.sc + r * (gr.Tmax + 8); };
   auto softmax_rows = [&](const Group& gr, int64_t r0, int64_t r1, float* rest, float* inv) {
     const Segment& g = *gr.g;
@@ -885,7 +906,6 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
       for (int64_t t = Tv; t < gr.Tmax; ++t) sr[t] = 0.0f;  // keys past the row's own add zeros (exactly)
     }
   };
-  std::vector<float> inv_all(groups.size() * kGroupRows);
   const int64_t lda = (D + 15) / 16 * 16;  // accumulator rows: whole vectors
   struct Scratch {
     std::vector<float> q, qp, rest, acc;
@@ -927,7 +947,7 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
   auto run_weighted = [&](const Tile& tl, Scratch& w, bool softmax) {
     const Group& gr = groups[tl.group];
     const Segment& g = *gr.g;
-    float* inv = inv_all.data() + tl.group * kGroupRows;
+    float* inv = inv_all + tl.group * kGroupRows;
     if (softmax) softmax_rows(gr, tl.a0, tl.a1, w.rest.data(), inv);
     const float* e[kGroupRows];
     float* o[kGroupRows];
@@ -965,28 +985,31 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
   };
 #pragma omp parallel
   {
-    Scratch w{std::vector<float>(D), std::vector<float>(kGroupRows * D), std::vector<float>(widest + 16),
-              std::vector<float>(kGroupRows * lda)};
-    for (size_t v = 0; v + 1 < waves.size(); ++v) {
-      if (static_cast<int64_t>(tilesA[v].size()) == waves[v + 1] - waves[v] &&
-          tilesC[v].size() == tilesA[v].size()) {
+    thread_local Scratch w;  // this thread's, reused across calls
+    if (static_cast<int64_t>(w.q.size()) < D) w.q.resize(D);
+    if (static_cast<int64_t>(w.qp.size()) < kGroupRows * D) w.qp.resize(kGroupRows * D);
+    if (static_cast<int64_t>(w.rest.size()) < widest + 16) w.rest.resize(widest + 16);
+    if (static_cast<int64_t>(w.acc.size()) < kGroupRows * lda) w.acc.resize(kGroupRows * lda);
+    for (size_t v = 0; v < nwaves; ++v) {
+      const int64_t a0 = offA[v], na = offA[v + 1] - a0, c0 = offC[v], nc = offC[v + 1] - c0;
+      if (na == waves[v + 1] - waves[v] && nc == na) {
         // no group split: a group's three phases in one work item, without barriers between them
-#pragma omp for schedule(dynamic, 1)
-        for (size_t t = 0; t < tilesA[v].size(); ++t) {
-          run_scores(tilesA[v][t], w);
-          run_weighted(tilesC[v][t], w, true);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < na; ++t) {
+          run_scores(tilesA[a0 + t], w);
+          run_weighted(tilesC[c0 + t], w, true);
         }
         continue;
       }
 #pragma omp for schedule(dynamic, 1)
-      for (size_t t = 0; t < tilesA[v].size(); ++t) run_scores(tilesA[v][t], w);
+      for (int64_t t = 0; t < na; ++t) run_scores(tilesA[a0 + t], w);
       if (split_cols[v]) {  // B: softmax numerators, when C's tiles share rows
 #pragma omp for schedule(dynamic, 1)
         for (int64_t k = waves[v]; k < waves[v + 1]; ++k)
-          softmax_rows(groups[k], 0, groups[k].R, w.rest.data(), inv_all.data() + k * kGroupRows);
+          softmax_rows(groups[k], 0, groups[k].R, w.rest.data(), inv_all + k * kGroupRows);
       }
 #pragma omp for schedule(dynamic, 1)
-      for (size_t t = 0; t < tilesC[v].size(); ++t) run_weighted(tilesC[v][t], w, !split_cols[v]);
+      for (int64_t t = 0; t < nc; ++t) run_weighted(tilesC[c0 + t], w, !split_cols[v]);
     }
   }
 }
