@@ -249,6 +249,74 @@ def test_attention_variants_are_bit_identical(n, kh, group, d, prefix, tree, see
     assert torch.equal(a, b) and torch.equal(ca, cb)
 
 
+def _attention_with_threads(kern, threads, heads, kh, d, n, prefix, allowed, seed):
+    """One layer's attention output and cache with `threads` OpenMP threads (restored afterwards)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
+    ang = torch.rand(n, d // 2, generator=g) * 6.3
+    cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
+    cache = torch.randn(1, 2, kh, prefix + n, d, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kern.attention_step(heads, cos, sin, cache, prefix, allowed, d ** -0.5)(0, qkv)
+    finally:
+        torch.set_num_threads(before)
+    return out, cache
+
+
+@needs_kernel
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 40), kh=st.integers(1, 3), group=st.integers(1, 9), d=st.sampled_from([16, 64, 72, 128]),
+       prefix=st.integers(0, 400), tree=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_attention_bits_do_not_depend_on_threads_or_variant(n, kh, group, d, prefix, tree, seed):
+    """Every row's bits are the same whatever the number of threads (which changes how the AVX-512 kernel
+    splits keys, rows and columns into work items) and in both variants; up to 360 rows per kv head (several
+    row groups) and hundreds of keys (several key blocks)."""
+    _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed)
+
+
+def _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed):
+    g = torch.Generator().manual_seed(seed)
+    allowed = random_tree_mask(n, g) if tree else None
+    ref, ref_cache = _attention_with_threads(KERNEL, 1, kh * group, kh, d, n, prefix, allowed, seed)
+    for kern in VARIANTS.values():
+        for threads in (1, 2, 3, 5):
+            out, cache = _attention_with_threads(kern, threads, kh * group, kh, d, n, prefix, allowed, seed)
+            assert torch.equal(out, ref) and torch.equal(cache, ref_cache), (kern.variant, threads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, kh, group, d, prefix, tree", [
+    (1, 3, 3, 64, 1000, False),   # one token, 3 kv heads: keys split by range, values by columns
+    (16, 3, 3, 64, 300, True),    # a 16-node tree: 48 rows per kv head, values split by rows
+    (5, 1, 2, 72, 2000, False),   # a partial last column vector, split into 16-column tiles
+    (3, 2, 4, 128, 700, True),
+])
+def test_attention_split_over_threads_keeps_the_bits(n, kh, group, d, prefix, tree):
+    """Steps with few kv heads and long caches, whose groups the AVX-512 kernel splits over the threads (by key
+    range, rows or columns): the same bits with 1, 2, 3 and 5 threads and in both variants."""
+    _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, 11)
+
+
+@needs_kernel
+def test_attention_in_several_waves_equals_each_row_alone():
+    """A step whose score rows exceed one wave of the AVX-512 kernel (many rows on a long cache) gives each
+    token exactly what it gets computed alone on the same cache (its prefix plus itself), with 1 and 2 threads."""
+    heads, kh, d, prefix, n = 12, 3, 64, 2600, 24  # 96 rows per kv head, ~2600 keys: 6 groups of 0.5 MB rows
+    for threads in (1, 2):
+        out, cache = _attention_with_threads(KERNEL, threads, heads, kh, d, n, prefix, None, 7)
+        for i in (0, 13, n - 1):  # token i alone: the cache holding the tokens before it, then itself
+            g = torch.Generator().manual_seed(7)
+            qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
+            ang = torch.rand(n, d // 2, generator=g) * 6.3
+            cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
+            alone_cache = cache[:, :, :, : prefix + i + 1].clone()
+            step = KERNEL.attention_step(heads, cos[i:i + 1].contiguous(), sin[i:i + 1].contiguous(), alone_cache,
+                                         prefix + i, None, d ** -0.5)
+            assert torch.equal(step(0, qkv[i:i + 1].contiguous())[0], out[i]), (threads, i)
+
+
 @needs_kernel
 def test_attention_rows_do_not_depend_on_the_other_rows():
     """A token's output is bit-identical whether it is computed alone or with the tokens after it."""

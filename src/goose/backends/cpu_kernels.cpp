@@ -34,6 +34,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
 #include <string.h>
 
 #include <vector>
@@ -189,6 +190,28 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+#ifdef __AVX512F__
+// exp_nonpositive on 16 lanes: the same operations lane by lane, so the same bits.
+inline __m512 exp_nonpositive512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));
+}
+#endif
+
 // Rotary embedding (Hugging Face's rotate_half convention) of one head x [D] -> o [D]:
 // o = x * cos + (-x[D/2:], x[:D/2]) * sin.
 inline void rope(const float* x, const float* cos, const float* sin, int D, float* o) {
@@ -287,6 +310,16 @@ inline float softmax_numerators(float* s, int64_t T, const uint8_t* seen = nullp
                                 float* rest = nullptr) {
   __m256 mx = _mm256_set1_ps(-INFINITY);
   int64_t j = 0;
+#ifdef __AVX512F__
+  // four independent max chains (the max of finite scores is the same value in any order; a zero's sign
+  // does not change any e^(s - max))
+  __m512 m4[4];
+  for (int u = 0; u < 4; ++u) m4[u] = _mm512_set1_ps(-INFINITY);
+  for (; j + 64 <= T; j += 64)
+    for (int u = 0; u < 4; ++u) m4[u] = _mm512_max_ps(m4[u], _mm512_loadu_ps(s + j + 16 * u));
+  const __m512 m16 = _mm512_max_ps(_mm512_max_ps(m4[0], m4[1]), _mm512_max_ps(m4[2], m4[3]));
+  mx = _mm256_max_ps(_mm512_castps512_ps256(m16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1)));
+#endif
   for (; j + 8 <= T; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
   float buf[8];
   _mm256_storeu_ps(buf, mx);
@@ -297,7 +330,17 @@ inline float softmax_numerators(float* s, int64_t T, const uint8_t* seen = nullp
   const __m256 mv = _mm256_set1_ps(m);
   __m256 total = _mm256_setzero_ps();
   const int64_t p = seen ? T - n : T, b0 = p / 8 * 8;  // blocks below b0 hold prefix terms only
-  for (j = 0; j < T; j += 8) {
+  j = 0;
+#ifdef __AVX512F__
+  const __m512 mv16 = _mm512_set1_ps(m);
+  for (; j + 16 <= (T + 7) / 8 * 8; j += 16) {  // two 8-key blocks at once, added to total in order
+    const __m512 e = exp_nonpositive512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv16));
+    _mm512_storeu_ps(s + j, e);
+    if (!seen || j < b0) total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+    if (!seen || j + 8 < b0) total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+#endif
+  for (; j < T; j += 8) {
     const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
     _mm256_storeu_ps(s + j, e);
     if (!seen || j < b0) total = _mm256_add_ps(total, e);
@@ -424,9 +467,9 @@ void linear512(const float* x, int64_t M, int64_t K, const float* packed, int64_
 //
 // Query rows go in pairs: one zmm holds 8 values of each row of a pair (lanes 0-7 the first, 8-15 the
 // second), and each lane does exactly what the 8-lane code does for its row, in the same order, so every
-// score and output is bit-identical to the AVX2 variant's. A work item takes up to kPairs512 pairs of query
-// rows that read one kv head (several tokens and the query heads of their group): each key and value vector
-// is loaded once for all of them, where the 8-lane code loads it once per token.
+// score and output is bit-identical to the AVX2 variant's. A score tile takes up to kPairs512 pairs of query
+// rows that read one kv head (several tokens and the query heads of their group): each key vector is loaded
+// once for all of them (see attention512 for how the rows of a whole sequence share a block of keys).
 constexpr int kPairs512 = 4;
 
 inline __m512 both_halves(const float* p) {  // 8 floats in lanes 0-7 and again in 8-15
@@ -439,20 +482,32 @@ inline __m512 hadd512(__m512 a, __m512 b) {
 }
 
 // scores (see `scores`) of P row pairs, qp [P][D / 8][16] (pair-interleaved), over keys [T][D]; row r's
-// scores go to s[r] (2 P row pointers).
-template <int P>
-inline void scores512(const float* qp, const float* keys, int64_t T, int D, float scale, float* const* s) {
+// scores go to s[r] (2 P row pointers). S: D / 8 when known at compile time (the loops then unroll and the
+// accumulators stay in registers), else 0. pf (or null): pf_lines cache lines from there to fetch into L2
+// meanwhile, spread evenly over the keys (a few per 4 keys, so they never crowd the line fill buffers).
+template <int P, int S = 0>
+inline void scores512(const float* qp, const float* keys, int64_t T, int D, float scale, float* const* s,
+                      const float* pf = nullptr, int64_t pf_lines = 0) {
   const __m512 sc = _mm512_set1_ps(scale);
-  const int steps = D / 8;
+  const int steps = S ? S : D / 8;
+  const int64_t per = pf ? (pf_lines + (T + 3) / 4 - 1) / ((T + 3) / 4) : 0;  // lines per 4 keys
   for (int64_t j0 = 0; j0 < T; j0 += 4) {
+    if (pf)
+      for (int64_t l = j0 / 4 * per; l < (j0 / 4 + 1) * per && l < pf_lines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * l, _MM_HINT_T1);
     const float* k[4];
+#pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) k[t] = keys + (j0 + t < T ? j0 + t : T - 1) * D;
     __m512 a[P][4];
+#pragma GCC unroll 4
     for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) a[p][t] = _mm512_setzero_ps();
+#pragma GCC unroll 16
     for (int d = 0; d < steps; ++d) {
       const __m512 k0 = both_halves(k[0] + 8 * d), k1 = both_halves(k[1] + 8 * d);
       const __m512 k2 = both_halves(k[2] + 8 * d), k3 = both_halves(k[3] + 8 * d);
+#pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
         const __m512 qv = _mm512_loadu_ps(qp + (p * steps + d) * 16);
         a[p][0] = _mm512_fmadd_ps(qv, k0, a[p][0]);
@@ -461,15 +516,15 @@ inline void scores512(const float* qp, const float* keys, int64_t T, int D, floa
         a[p][3] = _mm512_fmadd_ps(qv, k3, a[p][3]);
       }
     }
-    const int64_t m = T - j0 < 4 ? T - j0 : 4;
+    const __mmask8 m = static_cast<__mmask8>(T - j0 < 4 ? (1u << (T - j0)) - 1u : 0xFu);
+#pragma GCC unroll 4
     for (int p = 0; p < P; ++p) {
       // the 8-lane code's hadd tree on both rows at once (hadd within 128-bit lanes is these two shuffles
       // and one add), then the two 128-bit lanes of each row added: row a in lane 0, row b in lane 2
       const __m512 u = hadd512(hadd512(a[p][0], a[p][1]), hadd512(a[p][2], a[p][3]));
       const __m512 v = _mm512_mul_ps(_mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(2, 3, 0, 1))), sc);
-      for (int half = 0; half < 2; ++half) {
-        store_scores(s[2 * p + half] + j0, half ? _mm512_extractf32x4_ps(v, 2) : _mm512_castps512_ps128(v), m);
-      }
+      _mm_mask_storeu_ps(s[2 * p] + j0, m, _mm512_castps512_ps128(v));
+      _mm_mask_storeu_ps(s[2 * p + 1] + j0, m, _mm512_extractf32x4_ps(v, 2));
     }
   }
 }
@@ -667,70 +722,294 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
 }
 
 #ifdef __AVX512F__
-// The same on AVX-512 (the same bits): a work item is a kv head of one segment and up to 2 kPairs512 of
-// the query rows that read it (row q = token q / G, query head kv G + q % G), so the keys and values are
-// loaded once per item instead of once per token.
+// ---- the AVX-512 attention: groups of query rows over blocks of keys and values ----
+//
+// Same bits as `attention`, arranged so that each key and value is read from memory once per step for all
+// the query rows of a sequence. A group is up to kGroupRows query rows of one segment that read one kv head
+// (row q = token q / G, query head kv G + q % G). A layer's groups go through three phases in one parallel
+// region (in waves whose score rows fit kWaveFloats):
+//  A. scores: tiles of (group, key range); each block of keys (kBlockFloats) is loaded into L1 once (the
+//     next one prefetched into L2 meanwhile) and used by all the group's rows, two rows per register
+//     (scores512, kPairs512 pairs at a time);
+//  B. each row's softmax numerators (row_softmax), in place;
+//  C. weighted sums: tiles of (group, rows, columns); each block of values is used by the tile's rows, whose
+//     accumulators are kept between blocks, so every output is still one FMA chain over j in order.
+// Tiles split the work over the threads even with fewer groups than threads (one sequence with few kv
+// heads, 3 on 2 threads): by key range in A, by rows (many) or columns (few rows) in C; B runs inside C's
+// tiles when C is not split by columns, and when no group is split a group's phases are one work item (no
+// barrier between them). No tile's numbers depend on the split.
+constexpr int kGroupRows = 48;            // query rows per group (a multiple of 6 and of 8)
+constexpr int64_t kBlockFloats = 4096;   // a block of keys (values): 16 KB, 64 keys at D = 64
+constexpr int64_t kWaveFloats = 1 << 19;  // score rows per wave (2 MB)
+constexpr int64_t kSplitWork = 12288;     // keys x rows of a wave from which groups are split over threads
+                                          // (one token's 3 kv heads at 512 cached tokens)
+
+struct Group {
+  const Segment* g;
+  int64_t kv, q0, Tmax, sc;  // kv head, first row, keys read, offset of its score rows in the wave's buffer
+  int R, P;                  // rows, row pairs (an odd group's last pair repeats its last row)
+};
+
+struct Tile {
+  int64_t group, a0, a1;  // A: key range [a0, a1); C: rows [a0, a1)
+  int64_t c0, c1;         // C: columns [c0, c1)
+};
+
+// o[r][c0..c0 + 16 W) (the last vector only the lanes in `last`) for R rows over values j in [j0, j1) (v is
+// already offset to column c0): accumulators from acc (rows of stride lda; zeros when `first`), back to acc,
+// or when `inv` is given times inv[r] into o[r]. ahead (or 0): prefetch distance in values, for the values j
+// with j % pf_every == pf_at.
+template <int R, int W>
+inline void weighted_block(const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D, float* acc,
+                           int64_t lda, bool first, const float* inv, float* const* o, __mmask16 last,
+                           int64_t ahead, int64_t pf_every, int64_t pf_at) {
+  __m512 a[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < W; ++c) a[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * lda + 16 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (ahead && j % pf_every == pf_at)  // fetch the same columns of value j + ahead into L2 meanwhile
+      for (int c = 0; c < W; ++c) _mm_prefetch(reinterpret_cast<const char*>(v + (j + ahead) * D + 16 * c), _MM_HINT_T1);
+    __m512 vv[W];
+    for (int c = 0; c < W; ++c) vv[c] = _mm512_maskz_loadu_ps(c == W - 1 ? last : 0xFFFF, v + j * D + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 ej = _mm512_set1_ps(e[r][j]);
+      for (int c = 0; c < W; ++c) a[r][c] = _mm512_fmadd_ps(ej, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (inv) {
+      const __m512 iv = _mm512_set1_ps(inv[r]);
+      for (int c = 0; c < W; ++c)
+        _mm512_mask_storeu_ps(o[r] + 16 * c, c == W - 1 ? last : 0xFFFF, _mm512_mul_ps(a[r][c], iv));
+    } else {
+      for (int c = 0; c < W; ++c) _mm512_storeu_ps(acc + r * lda + 16 * c, a[r][c]);
+    }
+  }
+}
+
+// Rows per weighted_block call for W column vectors (R W accumulators of the 32 registers).
+constexpr int rows_for(int W) { return W >= 4 ? 6 : 8; }
+
+template <int W>
+inline void weighted_block_rows(int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
+                                float* acc, int64_t lda, bool first, const float* inv, float* const* o,
+                                __mmask16 last, int64_t ahead, int64_t pf_every, int64_t pf_at) {
+  switch (R) {
+    case 8: if constexpr (rows_for(W) >= 8) weighted_block<8, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 7: if constexpr (rows_for(W) >= 7) weighted_block<7, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 6: weighted_block<6, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 5: weighted_block<5, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 4: weighted_block<4, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 3: weighted_block<3, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 2: weighted_block<2, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    default: weighted_block<1, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+  }
+}
+
+template <int S>
+inline void scores_pairs(int np, const float* qp, const float* keys, int64_t T, int D, float scale, float* const* s,
+                         const float* pf, int64_t pf_lines) {
+  switch (np) {
+    case 4: scores512<4, S>(qp, keys, T, D, scale, s, pf, pf_lines); break;
+    case 3: scores512<3, S>(qp, keys, T, D, scale, s, pf, pf_lines); break;
+    case 2: scores512<2, S>(qp, keys, T, D, scale, s, pf, pf_lines); break;
+    default: scores512<1, S>(qp, keys, T, D, scale, s, pf, pf_lines); break;
+  }
+}
+
 void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg,
                   float scale, float* out) {
   const int64_t row = (H + 2 * Kh) * D, G = H / Kh;
   const int d = static_cast<int>(D), steps = d / 8;
-  constexpr int B = 2 * kPairs512;
   write_new_kv(qkv, H, Kh, D, segs, nseg);
-  std::vector<int64_t> first(nseg + 1, 0);  // work items of segment s: [first[s], first[s + 1])
-  int64_t longest = 0, widest = 0;
+  // the caller's plan and score rows, reused across calls (no allocation once grown)
+  thread_local struct {
+    std::vector<Group> groups;
+    std::vector<int64_t> waves, offA, offC;  // per wave: its first group, its first tile in tilesA / tilesC
+    std::vector<Tile> tilesA, tilesC;
+    std::vector<char> split_cols;  // per wave: C splits columns, so B runs as its own phase
+    std::vector<float> scores, inv;
+  } plan;
+  std::vector<Group>& groups = plan.groups;
+  std::vector<int64_t>& waves = plan.waves;
+  groups.clear();
+  waves.assign(1, 0);  // groups of wave w: [waves[w], waves[w + 1])
+  int64_t widest = 0, wave_floats = 0, arena = 0;
   for (int64_t s = 0; s < nseg; ++s) {
     const Segment& g = segs[s];
-    first[s + 1] = first[s] + Kh * ((g.n * G + B - 1) / B);
-    longest = g.p + g.n > longest ? g.p + g.n : longest;
     widest = g.n > widest ? g.n : widest;
+    for (int64_t kv = 0; kv < Kh; ++kv)
+      for (int64_t q0 = 0; q0 < g.n * G; q0 += kGroupRows) {
+        const int R = static_cast<int>(g.n * G - q0 < kGroupRows ? g.n * G - q0 : kGroupRows);
+        const int64_t last_token = (q0 + R - 1) / G;
+        const int64_t Tmax = g.allowed ? g.p + g.n : g.p + last_token + 1;  // causal: rows see up to their token
+        const int64_t floats = 2 * ((R + 1) / 2) * (Tmax + 8);
+        if (wave_floats > 0 && wave_floats + floats > kWaveFloats) {
+          waves.push_back(static_cast<int64_t>(groups.size()));
+          wave_floats = 0;
+        }
+        groups.push_back(Group{&g, kv, q0, Tmax, wave_floats, R, (R + 1) / 2});
+        wave_floats += floats;
+        arena = wave_floats > arena ? wave_floats : arena;
+      }
   }
-  const int64_t lds = longest + 8;
-#pragma omp parallel
-  {
-    std::vector<float> sc(B * lds), q(D), qp(B * D), rest(widest + 16);
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < first[nseg]; ++item) {
-      int64_t s = 0;
-      while (item >= first[s + 1]) ++s;
-      const Segment& g = segs[s];
-      const int64_t blocks = (g.n * G + B - 1) / B, local = item - first[s];
-      const int64_t kv = local / blocks, q0 = local % blocks * B;
-      const int R = static_cast<int>(g.n * G - q0 < B ? g.n * G - q0 : B), P = (R + 1) / 2;
-      int64_t tok[B], Tv[B], Tmax = 0;
-      float* srow[B];
-      float* o[B];
-      for (int r = 0; r < 2 * P; ++r) {  // an odd block's last pair repeats its last row (output unused)
-        const int64_t qi = q0 + (r < R ? r : R - 1), i = qi / G, h = kv * G + qi % G;
-        tok[r] = i;
-        Tv[r] = g.allowed ? g.p + g.n : g.p + i + 1;  // causal: new tokens up to i; a tree masks below
-        Tmax = Tv[r] > Tmax ? Tv[r] : Tmax;
-        srow[r] = sc.data() + r * lds;
-        o[r] = out + (g.row0 + i) * H * D + h * D;
-        rope(qkv + (g.row0 + i) * row + h * D, g.cos + i * D, g.sin + i * D, d, q.data());
-        for (int k = 0; k < steps; ++k)
-          memcpy(qp.data() + ((r / 2) * steps + k) * 16 + (r % 2) * 8, q.data() + 8 * k, sizeof(float) * 8);
+  waves.push_back(static_cast<int64_t>(groups.size()));
+  const size_t nwaves = waves.size() - 1;
+  if (static_cast<int64_t>(plan.scores.size()) < arena) plan.scores.resize(arena);
+  if (plan.inv.size() < groups.size() * kGroupRows) plan.inv.resize(groups.size() * kGroupRows);
+  float* const sbuf = plan.scores.data();
+  float* const inv_all = plan.inv.data();
+  const int threads = omp_get_max_threads();
+  const int64_t block = kBlockFloats / D < 16 ? 16 : kBlockFloats / D / 4 * 4;  // keys per block, a multiple of 4
+  // Tiles per wave, per phase (A, then C)
+  std::vector<Tile>& tilesA = plan.tilesA;
+  std::vector<Tile>& tilesC = plan.tilesC;
+  tilesA.clear();
+  tilesC.clear();
+  plan.offA.assign(1, 0);
+  plan.offC.assign(1, 0);
+  plan.split_cols.assign(nwaves, 0);
+  for (size_t w = 0; w < nwaves; ++w) {
+    const int64_t n = waves[w + 1] - waves[w];
+    int64_t work = 0;  // keys x rows (at least 8 rows: a few rows cost the time to read their keys)
+    for (int64_t k = waves[w]; k < waves[w + 1]; ++k) work += groups[k].Tmax * (groups[k].P < 4 ? 8 : 2 * groups[k].P);
+    // tiles per group for ~2 per thread, when the work pays for the barriers between phases
+    const int64_t parts = threads > 1 && work >= kSplitWork ? (2 * threads + n - 1) / n : 1;
+    for (int64_t k = waves[w]; k < waves[w + 1]; ++k) {
+      const Group& gr = groups[k];
+      const int64_t blocks = (gr.Tmax + block - 1) / block, per = (blocks + parts - 1) / parts * block;
+      for (int64_t a = 0; a < gr.Tmax; a += per) tilesA.push_back(Tile{k, a, a + per < gr.Tmax ? a + per : gr.Tmax, 0, D});
+      if (parts > 1 && gr.R >= 12) {  // rows: multiples of 6, so each tile runs whole 6-row register tiles
+        const int64_t rows = ((gr.R + parts - 1) / parts + 5) / 6 * 6;
+        for (int64_t a = 0; a < gr.R; a += rows) tilesC.push_back(Tile{k, a, a + rows < gr.R ? a + rows : gr.R, 0, D});
+      } else if (parts > 1 && D >= 32) {  // columns: multiples of 16
+        const int64_t vecs = (D + 15) / 16, cols = (vecs + parts - 1) / parts * 16;
+        for (int64_t c = 0; c < D; c += cols) tilesC.push_back(Tile{k, 0, gr.R, c, c + cols < D ? c + cols : D});
+        plan.split_cols[w] = 1;
+      } else {
+        tilesC.push_back(Tile{k, 0, gr.R, 0, D});
       }
-      const float* kh = g.keys + kv * g.cap * D;
-      const float* vh = g.vals + kv * g.cap * D;
-      switch (P) {
-        case 4: scores512<4>(qp.data(), kh, Tmax, d, scale, srow); break;
-        case 3: scores512<3>(qp.data(), kh, Tmax, d, scale, srow); break;
-        case 2: scores512<2>(qp.data(), kh, Tmax, d, scale, srow); break;
-        default: scores512<1>(qp.data(), kh, Tmax, d, scale, srow); break;
-      }
-      float inv[B];
-      for (int r = 0; r < R; ++r) {
-        inv[r] = row_softmax(g, tok[r], srow[r], Tv[r], rest.data());
-        for (int64_t t = Tv[r]; t < Tmax; ++t) srow[r][t] = 0.0f;  // keys past the row's own add zeros (exactly)
-      }
-      for (int r0 = 0; r0 < R; r0 += 4) {
-        switch (R - r0 < 4 ? R - r0 : 4) {
-          case 4: weighted512_cols<4>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
-          case 3: weighted512_cols<3>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
-          case 2: weighted512_cols<2>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
-          default: weighted512_cols<1>(srow + r0, vh, Tmax, D, inv + r0, o + r0); break;
+    }
+    plan.offA.push_back(static_cast<int64_t>(tilesA.size()));
+    plan.offC.push_back(static_cast<int64_t>(tilesC.size()));
+  }
+  const int64_t* offA = plan.offA.data();
+  const int64_t* offC = plan.offC.data();
+  const char* split_cols = plan.split_cols.data();
+  auto score_row = [&](const Group& gr, int r) { return sbuf + gr.sc + r * (gr.Tmax + 8); };
+  auto softmax_rows = [&](const Group& gr, int64_t r0, int64_t r1, float* rest, float* inv) {
+    const Segment& g = *gr.g;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = (gr.q0 + r) / G, Tv = g.allowed ? g.p + g.n : g.p + i + 1;
+      float* sr = score_row(gr, static_cast<int>(r));
+      inv[r] = row_softmax(g, i, sr, Tv, rest);
+      for (int64_t t = Tv; t < gr.Tmax; ++t) sr[t] = 0.0f;  // keys past the row's own add zeros (exactly)
+    }
+  };
+  const int64_t lda = (D + 15) / 16 * 16;  // accumulator rows: whole vectors
+  struct Scratch {
+    std::vector<float> q, qp, rest, acc;
+  };
+  // A: scores of a group's rows over a key range, a block of keys at a time
+  auto run_scores = [&](const Tile& tl, Scratch& w) {
+    const Group& gr = groups[tl.group];
+    const Segment& g = *gr.g;
+    float* srow[kGroupRows];
+    for (int r = 0; r < 2 * gr.P; ++r) {
+      const int64_t qi = gr.q0 + (r < gr.R ? r : gr.R - 1), i = qi / G, h = gr.kv * G + qi % G;
+      srow[r] = score_row(gr, r);
+      rope(qkv + (g.row0 + i) * row + h * D, g.cos + i * D, g.sin + i * D, d, w.q.data());
+      for (int k = 0; k < steps; ++k)
+        memcpy(w.qp.data() + ((r / 2) * steps + k) * 16 + (r % 2) * 8, w.q.data() + 8 * k, sizeof(float) * 8);
+    }
+    const float* kh = g.keys + gr.kv * g.cap * D;
+    for (int64_t j0 = tl.a0; j0 < tl.a1; j0 += block) {
+      const int64_t len = tl.a1 - j0 < block ? tl.a1 - j0 : block;
+      for (int p0 = 0; p0 < gr.P; p0 += kPairs512) {
+        float* s[2 * kPairs512];
+        for (int r = 0; r < 2 * kPairs512 && 2 * p0 + r < 2 * gr.P; ++r) s[r] = srow[2 * p0 + r] + j0;
+        const float* qq = w.qp.data() + p0 * steps * 16;
+        const int np = gr.P - p0 < kPairs512 ? gr.P - p0 : kPairs512;
+        // the row pairs fetch the tile's next block meanwhile, each pass over this block a share of its lines
+        const int64_t next = tl.a1 - (j0 + len) < block ? tl.a1 - (j0 + len) : block;
+        const int64_t lines = next * D / 16, passes = (gr.P + kPairs512 - 1) / kPairs512, pass = p0 / kPairs512;
+        const float* pf = next > 0 ? kh + (j0 + len) * D + pass * lines / passes * 16 : nullptr;
+        const int64_t pf_lines = (pass + 1) * lines / passes - pass * lines / passes;
+        switch (d) {  // head sizes with unrolled loops
+          case 64: scores_pairs<8>(np, qq, kh + j0 * D, len, d, scale, s, pf, pf_lines); break;
+          case 128: scores_pairs<16>(np, qq, kh + j0 * D, len, d, scale, s, pf, pf_lines); break;
+          default: scores_pairs<0>(np, qq, kh + j0 * D, len, d, scale, s, pf, pf_lines); break;
         }
       }
+    }
+  };
+  // C: weighted sums of a tile's rows and columns, a block of values at a time (B first when `softmax`)
+  auto run_weighted = [&](const Tile& tl, Scratch& w, bool softmax) {
+    const Group& gr = groups[tl.group];
+    const Segment& g = *gr.g;
+    float* inv = inv_all + tl.group * kGroupRows;
+    if (softmax) softmax_rows(gr, tl.a0, tl.a1, w.rest.data(), inv);
+    const float* e[kGroupRows];
+    float* o[kGroupRows];
+    for (int64_t r = tl.a0; r < tl.a1; ++r) {
+      const int64_t qi = gr.q0 + r, i = qi / G, h = gr.kv * G + qi % G;
+      e[r] = score_row(gr, static_cast<int>(r));
+      o[r] = out + (g.row0 + i) * H * D + h * D;
+    }
+    const float* vh = g.vals + gr.kv * g.cap * D;
+    for (int64_t j0 = 0; j0 < gr.Tmax; j0 += block) {
+      const int64_t j1 = gr.Tmax - j0 < block ? gr.Tmax : j0 + block;
+      const bool first = j0 == 0, final = j1 == gr.Tmax;
+      for (int64_t c0 = tl.c0; c0 < tl.c1; c0 += 64) {
+        const int64_t cols = tl.c1 - c0 < 64 ? tl.c1 - c0 : 64, W = (cols + 15) / 16;
+        const __mmask16 last = cols % 16 ? static_cast<__mmask16>(0x00FF) : static_cast<__mmask16>(0xFFFF);
+        const int step = W >= 4 ? rows_for(4) : rows_for(1);
+        for (int64_t r = tl.a0; r < tl.a1; r += step) {
+          const int R = static_cast<int>(tl.a1 - r < step ? tl.a1 - r : step);
+          float* a = w.acc.data() + (r - tl.a0) * lda + (c0 - tl.c0);
+          float* oc[kGroupRows];
+          for (int k = 0; k < R; ++k) oc[k] = o[r + k] + c0;
+          const float* iv = final ? inv + r : nullptr;
+          // the next block, each row set fetching every sets-th value of it
+          const int64_t ahead = j1 + (j1 - j0) <= gr.Tmax ? j1 - j0 : 0, sets = (tl.a1 - tl.a0 + step - 1) / step;
+          const int64_t pf_every = sets, pf_at = (r - tl.a0) / step;
+          switch (W) {
+            case 4: weighted_block_rows<4>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
+            case 3: weighted_block_rows<3>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
+            case 2: weighted_block_rows<2>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
+            default: weighted_block_rows<1>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
+          }
+        }
+      }
+    }
+  };
+#pragma omp parallel
+  {
+    thread_local Scratch w;  // this thread's, reused across calls
+    if (static_cast<int64_t>(w.q.size()) < D) w.q.resize(D);
+    if (static_cast<int64_t>(w.qp.size()) < kGroupRows * D) w.qp.resize(kGroupRows * D);
+    if (static_cast<int64_t>(w.rest.size()) < widest + 16) w.rest.resize(widest + 16);
+    if (static_cast<int64_t>(w.acc.size()) < kGroupRows * lda) w.acc.resize(kGroupRows * lda);
+    for (size_t v = 0; v < nwaves; ++v) {
+      const int64_t a0 = offA[v], na = offA[v + 1] - a0, c0 = offC[v], nc = offC[v + 1] - c0;
+      if (na == waves[v + 1] - waves[v] && nc == na) {
+        // no group split: a group's three phases in one work item, without barriers between them
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < na; ++t) {
+          run_scores(tilesA[a0 + t], w);
+          run_weighted(tilesC[c0 + t], w, true);
+        }
+        continue;
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < na; ++t) run_scores(tilesA[a0 + t], w);
+      if (split_cols[v]) {  // B: softmax numerators, when C's tiles share rows
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t k = waves[v]; k < waves[v + 1]; ++k)
+          softmax_rows(groups[k], 0, groups[k].R, w.rest.data(), inv_all + k * kGroupRows);
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < nc; ++t) run_weighted(tilesC[c0 + t], w, !split_cols[v]);
     }
   }
 }

@@ -11,11 +11,13 @@ small operations of ~10-100 us each.
 
 Variants, chosen from the CPU flags (``/proc/cpuinfo``), in this fallback order: ``avx512`` (AVX-512
 F/BW/VL + AVX2 + FMA: the linear layer on 16-lane registers, tiles of up to 12 rows x 32 columns) and
-``avx2`` (AVX2 + FMA: 8-lane registers, tiles of up to 6 rows x 16 columns). Attention on AVX-512 takes up
-to 8 query rows of one kv head per work item (the query heads of several tokens), two rows per register, so
-each key and value is loaded once for all of them; on AVX2 a work item is one token's query heads of a kv
-head. Top-k is the same 8-lane code in both. Both give bit-identical results (same packed layout, same FMA
-chain per output, the same per-lane arithmetic in attention);
+``avx2`` (AVX2 + FMA: 8-lane registers, tiles of up to 6 rows x 16 columns). Attention on AVX-512 takes the
+query rows of a sequence that read one kv head (the query heads of all its new tokens, up to 48 rows per
+group) over blocks of 16 KB of keys, then of values, so each key and value is read from memory once per
+layer for all of them; two rows per register in the scores; the threads split a group's keys, rows or columns
+when there are fewer groups than threads. On AVX2 a work item is one token's query heads of a kv head.
+Top-k is the same 8-lane code in both. Both give bit-identical results (same packed layout, same FMA chain
+per output, the same per-lane arithmetic in attention);
 ``GOOSE_KERNEL_VARIANT=avx2`` picks a lower variant (for comparisons; the quantized kernels of
 `goose.backends.quant` follow it too).
 
