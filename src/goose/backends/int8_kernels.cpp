@@ -183,8 +183,8 @@ inline I qsign(I x, I w) { return {_mm256_sign_epi8(x.a, w.a), _mm256_sign_epi8(
 #define GOOSE_AMX 0
 #endif
 
-// Q8_0 on VNNI and AMX multiplies unsigned activations: q + 128 (stored so), the excess 128 * sum(w) taken
-// off after.
+// Q8_0 on VNNI multiplies unsigned activations: q + 128 (stored so), the excess 128 * sum(w) taken off
+// after. (AMX multiplies signed by signed: no offset.)
 constexpr bool kOffsetQ8 = GOOSE_VNNI;
 
 // The activations of M rows, quantized for format F: q in the order the kernel reads (nibble formats:
@@ -245,7 +245,7 @@ inline __m128i bytes16(const float* x, float id) {
 #endif
 
 template <int F>
-void quantize(const float* x, int64_t M, int64_t K, Act& a) {
+void quantize(const float* x, int64_t M, int64_t K, Act& a, bool offset8) {
   constexpr int G = kInfo[F].group;
   const int64_t blocks = K / kBlock, groups = K / G, padded = (M + 15) / 16 * 16;
   a.ldq = K;
@@ -260,7 +260,7 @@ void quantize(const float* x, int64_t M, int64_t K, Act& a) {
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t s[2];
       const float d = quantize_block(x + m * K + b * kBlock, a.q.data() + m * K + b * kBlock, nibbles(F),
-                                          F == kQ8_0 && kOffsetQ8, s);
+                                          F == kQ8_0 && offset8, s);
       if constexpr (F == kQ6_K) {
         a.d[2 * b * padded + m] = d;
         a.d[(2 * b + 1) * padded + m] = d;
@@ -403,10 +403,9 @@ struct TileConfig {
 };
 
 // A panel's weights as AMX B tiles, once per call: per group G / 4 rows of 16 columns x 4 bytes (nibble
-// formats: the low then the high nibbles of each 64 bytes, the order of the activations), and for Q8_0
-// the excess 128 * (column sums) of the offset activations.
+// formats: the low then the high nibbles of each 64 bytes, the order of the activations).
 template <int F>
-void amx_panel_weights(const uint8_t* w, int64_t groups, uint8_t* bt, int32_t* excess) {
+void amx_panel_weights(const uint8_t* w, int64_t groups, uint8_t* bt) {
   constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* q = w + g * GB + HB;
@@ -418,13 +417,7 @@ void amx_panel_weights(const uint8_t* w, int64_t groups, uint8_t* bt, int32_t* e
         _mm512_store_si512(b + 128 * t + 64, hi4(v).v);
       }
     } else {
-      I sw = izero();
-      for (int t = 0; t < G / 4; ++t) {
-        const I v = wload(q + 64 * t);
-        if constexpr (F == kQ8_0) sw = dot(sw, iset(0x01010101), v);
-        _mm512_store_si512(b + 64 * t, v.v);
-      }
-      if constexpr (F == kQ8_0) _mm512_store_si512(excess + 16 * g, ishl7(sw).v);
+      for (int t = 0; t < G / 4; ++t) _mm512_store_si512(b + 64 * t, wload(q + 64 * t).v);
     }
   }
 }
@@ -453,7 +446,7 @@ void amx_config(int rows) {
     _tile_loadd(A, xa, ldq);                                                            \
     _tile_loadd(B, b, 64);                                                              \
     _tile_zero(C);                                                                      \
-    if constexpr (F == kQ8_0) _tile_dpbusd(C, A, B); else _tile_dpbsud(C, A, B);        \
+    if constexpr (F == kQ8_0) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);        \
   }
 GOOSE_AMX_ISSUE(amx_issue0, 0, 2, 4)
 GOOSE_AMX_ISSUE(amx_issue1, 1, 3, 5)
@@ -463,8 +456,8 @@ GOOSE_AMX_ISSUE(amx_issue1, 1, 3, 5)
 // (the integer corrections are exact, so adding them after the product changes nothing), accumulators in
 // registers.
 template <int F, int R>
-void amx_tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, const uint8_t* bt, const int32_t* excess,
-              float* y, int64_t ldy, int cols, const float* bias, bool accumulate) {
+void amx_tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, const uint8_t* bt, float* y, int64_t ldy,
+              int cols, const float* bias, bool accumulate) {
   constexpr int G = kInfo[F].group, GB = group_bytes(F), BB = G / 4 * 64;
   const int64_t groups = K / G;
   const uint8_t* xq = a.q.data() + m0 * a.ldq;
@@ -496,13 +489,10 @@ void amx_tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, const uint8
       const int32_t* c = ct[gc & 1];
       V s, o;
       header<F>(w + gc * GB, s, o);
-      I ex = izero();
-      if constexpr (F == kQ8_0) ex = I{_mm512_load_si512(excess + 16 * gc)};
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         I ia{_mm512_load_si512(c + 16 * r)};
         if constexpr (F == kQ4_0 || F == kQ6_K) ia = I{_mm512_add_epi32(ia.v, _mm512_set1_epi32(xc[gc * a.ldm + r]))};
-        if constexpr (F == kQ8_0) ia = isub(ia, ex);
         acc[r] = vfma(vcvt(ia), vmul(s, vset(xd[gc * a.ldm + r])), acc[r]);
         if constexpr (has_offset(F)) acc[r] = vfma(o, vset(xs[gc * a.ldm + r]), acc[r]);
       }
@@ -517,15 +507,15 @@ void amx_tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, const uint8
 }
 
 template <int F>
-void amx_rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, const uint8_t* bt, const int32_t* ex,
-              float* y, int64_t ldy, int cols, const float* bias, bool acc) {
+void amx_rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, const uint8_t* bt, float* y,
+              int64_t ldy, int cols, const float* bias, bool acc) {
 #define GOOSE_AMX_CASE(R) \
-  case R: amx_tile<F, R>(a, m0, K, w, bt, ex, y, ldy, cols, bias, acc); break;
+  case R: amx_tile<F, R>(a, m0, K, w, bt, y, ldy, cols, bias, acc); break;
   switch (r) {
     GOOSE_AMX_CASE(16) GOOSE_AMX_CASE(15) GOOSE_AMX_CASE(14) GOOSE_AMX_CASE(13) GOOSE_AMX_CASE(12)
     GOOSE_AMX_CASE(11) GOOSE_AMX_CASE(10) GOOSE_AMX_CASE(9) GOOSE_AMX_CASE(8) GOOSE_AMX_CASE(7)
     GOOSE_AMX_CASE(6) GOOSE_AMX_CASE(5) GOOSE_AMX_CASE(4) GOOSE_AMX_CASE(3) GOOSE_AMX_CASE(2)
-    default: amx_tile<F, 1>(a, m0, K, w, bt, ex, y, ldy, cols, bias, acc); break;
+    default: amx_tile<F, 1>(a, m0, K, w, bt, y, ldy, cols, bias, acc); break;
   }
 #undef GOOSE_AMX_CASE
 }
@@ -540,24 +530,23 @@ void linear_amx(const Act& a, int64_t M, int64_t K, const uint8_t* packed, int64
 #pragma omp parallel
   {
     uint8_t* bt = static_cast<uint8_t*>(aligned_alloc(64, groups * (G / 4 * 64)));
-    int32_t* ex = static_cast<int32_t*>(aligned_alloc(64, groups * 64));
     amx_config<F>(M < 16 ? static_cast<int>(M) : 16);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
       const uint8_t* w = packed + p * pbytes;
-      amx_panel_weights<F>(w, groups, bt, ex);
+      amx_panel_weights<F>(w, groups, bt);
       if (p + 1 < panels)  // the next panel's weights arrive while this one computes
-        for (int64_t off = 0; off < pbytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(w + pbytes + off), _MM_HINT_T0);
+        for (int64_t off = 0; off < pbytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + pbytes + off), _MM_HINT_T0);
       asm volatile("" ::: "memory");  // the tile loads read bt (the tile intrinsics declare no memory use)
       for (int64_t m = 0; m < M; m += 16) {
         const int r = static_cast<int>(M - m < 16 ? M - m : 16);
-        amx_rows<F>(r, a, m, K, w, bt, ex, y + m * N + p * kCols, N, cols, bias ? bias + p * kCols : nullptr, acc);
+        amx_rows<F>(r, a, m, K, w, bt, y + m * N + p * kCols, N, cols, bias ? bias + p * kCols : nullptr, acc);
       }
     }
     _tile_release();
     free(bt);
-    free(ex);
   }
 }
 #endif
@@ -566,13 +555,14 @@ template <int F>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
             bool acc) {
   Act a;
-  quantize<F>(x, M, K, a);
 #if GOOSE_AMX
   if (M >= kAmxRows) {
+    quantize<F>(x, M, K, a, false);
     linear_amx<F>(a, M, K, packed, N, bias, y, acc);
     return;
   }
 #endif
+  quantize<F>(x, M, K, a, kOffsetQ8);
   const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
   const int64_t tiles = (M + kTile - 1) / kTile;  // rows spread evenly over the fewest tiles
