@@ -4,7 +4,7 @@ int32 dot products), interleaved in one process on SmolLM2-135M's shapes (random
 file's formats: Q4_1 projections, the Q8_0 tied embedding as the output head).
 
     python benchmarks/int8_cost.py [--rows 1,2,4,8,16,32] [--repeats 9] [--threads 2] [--variants all]
-                                   [--clock cpu --threads 1]
+                                   [--variants best|all|vnni512,amx] [--clock cpu --threads 1]
 
 Prints per shape and M the median microseconds per call of each path, the cost ratio to M = 1 of each, and
 for one whole layer set (30 x (qkv, o, gate_up, down) + head) the projected milliseconds of a forward's
@@ -55,7 +55,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--window", type=float, default=5.0, help="ms of calls per timing")
-    ap.add_argument("--variants", default="best", help="'best' or 'all' integer variants")
+    ap.add_argument("--variants", default="best",
+                    help="'best', 'all' or a comma list (e.g. vnni512,amx) of integer variants")
     ap.add_argument("--stat", default="min", choices=["min", "median"],
                     help="per-call time over the rounds: min (robust on a shared machine) or median")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
@@ -71,7 +72,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
     qk = quant.kernels()
-    variants = int8.runnable_variants() if args.variants == "all" else int8.runnable_variants()[:1]
+    if args.variants in ("all", "best"):
+        variants = int8.runnable_variants() if args.variants == "all" else [int8.kernels().variant]
+    else:
+        variants = [v.strip() for v in args.variants.split(",")]
+        for v in variants:
+            if int8.kernels(v) is None:
+                ap.error(f"int8 variant {v}: {int8.unavailable_reason(v)}")
     iks = {v: int8.kernels(v) for v in variants}
     rng = np.random.default_rng(0)
     paths = {"float": None, **{f"int8-{v}": k for v, k in iks.items()}}

@@ -188,6 +188,18 @@ def test_variants_in_order_and_fall_back_without_vnni(monkeypatch):
 
 
 @needs_int8
+def test_a_variant_that_cannot_load_falls_back_to_the_next(monkeypatch):
+    """(amx needs Linux to grant the tile state: refused, the next variant serves.)"""
+    monkeypatch.setitem(int8._state, VARIANTS[0], (None, "refused here"))
+    if len(VARIANTS) > 1:
+        assert int8.kernels().variant == VARIANTS[1] and int8.unavailable_reason() is None
+    for v in VARIANTS[1:]:
+        monkeypatch.setitem(int8._state, v, (None, f"{v} refused"))
+    assert int8.kernels() is None and int8.unavailable_reason() == "refused here"
+    assert int8.kernels(VARIANTS[0]) is None
+
+
+@needs_int8
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_each_variant_forced_by_environment(monkeypatch, variant):
     monkeypatch.setenv(int8.ENV_VARIANT, variant)
@@ -214,7 +226,8 @@ def test_activation_quantization_matches_numpy(variant):
 @pytest.mark.parametrize("fmt", FMTS)
 def test_linear_equals_numpy_reference_bit_for_bit(variant, fmt):
     kern = int8.kernels(variant)
-    for n, k, m in ((37, 512, 1), (48, 256, 9), (16, 768, 3)):
+    odd = 288 if quant.FORMATS[fmt][1] == 32 else 768  # 288: 9 groups, an odd count (the AMX loop runs pairs)
+    for n, k, m in ((37, 512, 1), (48, 256, 9), (16, 768, 3), (40, odd, 13), (33, 512, 16), (40, odd, 21)):
         raw, w = weight(fmt, n, k)
         x = _x(m, k, n + m)
         y = kern.linear(x, w, n)

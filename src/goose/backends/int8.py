@@ -15,14 +15,13 @@ What is guaranteed (tests check each point):
   path (`goose.backends.quant`, bit-identical to the float32 model) by about the quantization error. Plain
   greedy decoding *in this arithmetic* is the reference for losslessness.
 
-Variants, chosen from the CPU flags (``/proc/cpuinfo``), in this fallback order: ``vnni512`` (AVX-512
-F/BW/VL + AVX512-VNNI + AVX512-VBMI: 16 columns per register, up to 8 rows per tile), ``amx`` (AMX-INT8
-tiles: a group's products for 16 rows x 16 columns in one tile instruction, for calls of 4 rows or more,
-fewer rows as ``vnni512``; Linux must grant the tile state; it comes after ``vnni512`` because on a Sapphire
-Rapids Xeon it measured no faster: the per-group float arithmetic, the same in both, dominates, so it runs
-only when forced), ``avxvnni`` (AVX2 + AVX-VNNI, ``vpdpbusd`` on 8 lanes), ``avx2`` (AVX2 ``vpmaddubsw``;
-FMA and F16C for the rest). ``GOOSE_INT8_VARIANT=<name>`` drops the ones above <name> (for comparisons and tests), and
-``GOOSE_KERNEL_VARIANT=avx2`` (goose's float kernels on AVX2) caps these at ``avx2`` too. Built once per
+Variants, chosen from the CPU flags (``/proc/cpuinfo``), in this fallback order: ``amx`` (AMX-INT8 tiles for
+calls of 12 rows or more: per weight group the integer products of up to 16 rows x 16 columns in one tile
+instruction, pipelined two groups deep; fewer rows run as ``vnni512``; Linux must grant the tile state),
+``vnni512`` (AVX-512 F/BW/VL + AVX512-VNNI + AVX512-VBMI: 16 columns per register, up to 8 rows per tile),
+``avxvnni`` (AVX2 + AVX-VNNI, ``vpdpbusd`` on 8 lanes), ``avx2`` (AVX2 ``vpmaddubsw``; FMA and F16C for the
+rest). All give the same bits. ``GOOSE_INT8_VARIANT=<name>`` drops the ones above <name> (for comparisons
+and tests), and ``GOOSE_KERNEL_VARIANT=avx2`` (goose's float kernels on AVX2) caps these at ``avx2`` too. Built once per
 variant and machine into ``$XDG_CACHE_HOME/goose/kernels/`` like goose's other kernels
 (`goose.backends.cpukernel`); ``GOOSE_CPU_KERNEL=0`` switches them off.
 """
@@ -58,7 +57,7 @@ VARIANTS = {
     "avxvnni": ([*_F16, "-mavxvnni"], {"avx2", "fma", "f16c", "avx_vnni"}),
     "avx2": (_F16, {"avx2", "fma", "f16c"}),
 }
-ORDER = ("vnni512", "amx", "avxvnni", "avx2")  # (amx after vnni512: not faster here, see the module doc)
+ORDER = ("amx", "vnni512", "avxvnni", "avx2")
 ISA = {"amx": 1024, "vnni512": 512, "avxvnni": 257, "avx2": 256}  # goose_int8_isa() of each variant
 ENV_VARIANT = "GOOSE_INT8_VARIANT"
 
@@ -90,10 +89,16 @@ def unavailable_reason(variant: str | None = None) -> str | None:
 
 
 def _get(variant: str | None) -> tuple:
-    runnable = runnable_variants()
-    variant = variant or (runnable[0] if runnable else None)
-    if variant is None:
-        return None, "needs an x86-64 Linux CPU with AVX2, FMA and F16C"
+    if variant is None:  # the best runnable variant that loads (amx needs Linux to grant the tile state)
+        runnable = runnable_variants()
+        if not runnable:
+            return None, "needs an x86-64 Linux CPU with AVX2, FMA and F16C"
+        results = []
+        for v in runnable:
+            results.append(_get(v))
+            if results[-1][0] is not None:
+                return results[-1]
+        return results[0]
     if variant not in _state:
         _state[variant] = _load(variant)
     return _state[variant]

@@ -1,5 +1,5 @@
-// goose's integer-dot kernels over GGUF weight blocks (built by int8.py, once per variant: AVX512-VNNI with
-// VBMI, AVX-VNNI, AVX2): y = in(x) W^T with the activations quantized to 8 bits per row, in blocks of 32,
+// goose's integer-dot kernels over GGUF weight blocks (built by int8.py, once per variant: AMX-INT8,
+// AVX512-VNNI with VBMI, AVX-VNNI, AVX2): y = in(x) W^T with the activations quantized to 8 bits per row, in blocks of 32,
 // and exact int32 dot products against the weights' integer quants. The packed weight is the one
 // quant_kernels.cpp packs and reads (goose_quant_pack; 16-column panels, see the layout there), so one
 // QuantWeight serves both arithmetics.
@@ -29,6 +29,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <vector>
@@ -62,7 +63,7 @@ constexpr bool has_offset(int f) { return f == kQ4_1 || f == kQ4_K; }
 #if defined(__AVX512F__)
 #define GOOSE_VNNI 1
 constexpr int kTile = 8;
-constexpr int kAmxRows = 4;  // calls of at least this many rows use AMX tiles (AMX builds)
+constexpr int kAmxRows = 12;  // calls of at least this many rows use AMX tiles (AMX builds; fewer: as vnni512)
 struct I {
   __m512i v;
 };
@@ -182,8 +183,8 @@ inline I qsign(I x, I w) { return {_mm256_sign_epi8(x.a, w.a), _mm256_sign_epi8(
 #define GOOSE_AMX 0
 #endif
 
-// Q8_0 on VNNI and AMX multiplies unsigned activations: q + 128 (stored so), the excess 128 * sum(w) taken
-// off after.
+// Q8_0 on VNNI multiplies unsigned activations: q + 128 (stored so), the excess 128 * sum(w) taken off
+// after. (AMX multiplies signed by signed: no offset.)
 constexpr bool kOffsetQ8 = GOOSE_VNNI;
 
 // The activations of M rows, quantized for format F: q in the order the kernel reads (nibble formats:
@@ -193,7 +194,7 @@ struct Act {
   std::vector<uint8_t> q;
   std::vector<float> d, ds;
   std::vector<int32_t> ic;
-  int64_t ldq = 0, ldg = 0;
+  int64_t ldq = 0, ldm = 0;  // q: row stride; d, ds, ic: group-major, [group][row], ldm rows per group
 };
 
 // One block of 32 activations (max of |x| is exact in any order; x * id and the conversion, rounding half to
@@ -244,31 +245,31 @@ inline __m128i bytes16(const float* x, float id) {
 #endif
 
 template <int F>
-void quantize(const float* x, int64_t M, int64_t K, Act& a) {
+void quantize(const float* x, int64_t M, int64_t K, Act& a, bool offset8) {
   constexpr int G = kInfo[F].group;
   const int64_t blocks = K / kBlock, groups = K / G, padded = (M + 15) / 16 * 16;
   a.ldq = K;
-  a.ldg = groups;
+  a.ldm = padded;
   a.q.resize(padded * K);  // (whole tiles of 16 rows for AMX; the rows past M are zero)
   if (padded > M) memset(a.q.data() + M * K, 0, (padded - M) * K);
-  a.d.resize(M * groups);
-  a.ic.resize(M * groups);
-  if (has_offset(F)) a.ds.resize(M * groups);
+  a.d.resize(padded * groups);
+  a.ic.resize(padded * groups);
+  if (has_offset(F)) a.ds.resize(padded * groups);
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t s[2];
       const float d = quantize_block(x + m * K + b * kBlock, a.q.data() + m * K + b * kBlock, nibbles(F),
-                                          F == kQ8_0 && kOffsetQ8, s);
+                                          F == kQ8_0 && offset8, s);
       if constexpr (F == kQ6_K) {
-        a.d[m * groups + 2 * b] = d;
-        a.d[m * groups + 2 * b + 1] = d;
-        a.ic[m * groups + 2 * b] = -32 * s[0];
-        a.ic[m * groups + 2 * b + 1] = -32 * s[1];
+        a.d[2 * b * padded + m] = d;
+        a.d[(2 * b + 1) * padded + m] = d;
+        a.ic[2 * b * padded + m] = -32 * s[0];
+        a.ic[(2 * b + 1) * padded + m] = -32 * s[1];
       } else {
-        a.d[m * groups + b] = d;
-        a.ic[m * groups + b] = F == kQ4_0 ? -8 * (s[0] + s[1]) : 0;
-        if constexpr (has_offset(F)) a.ds[m * groups + b] = d * static_cast<float>(s[0] + s[1]);
+        a.d[b * padded + m] = d;
+        a.ic[b * padded + m] = F == kQ4_0 ? -8 * (s[0] + s[1]) : 0;
+        if constexpr (has_offset(F)) a.ds[b * padded + m] = d * static_cast<float>(s[0] + s[1]);
       }
     }
   }
@@ -308,9 +309,9 @@ void tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64
   constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
   const int64_t groups = K / G;
   const uint8_t* xq = a.q.data() + m0 * a.ldq;
-  const float* xd = a.d.data() + m0 * a.ldg;
-  const float* xs = has_offset(F) ? a.ds.data() + m0 * a.ldg : nullptr;
-  const int32_t* xc = a.ic.data() + m0 * a.ldg;
+  const float* xd = a.d.data() + m0;
+  const float* xs = has_offset(F) ? a.ds.data() + m0 : nullptr;
+  const int32_t* xc = a.ic.data() + m0;
   V acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = vzero();
@@ -321,7 +322,7 @@ void tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64
     const uint8_t* q = h + HB;
     I ia[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) ia[r] = F == kQ4_0 || F == kQ6_K ? iset(xc[r * a.ldg + g]) : izero();
+    for (int r = 0; r < R; ++r) ia[r] = F == kQ4_0 || F == kQ6_K ? iset(xc[g * a.ldm + r]) : izero();
     const uint8_t* xg = xq + g * G;
     if constexpr (nibbles(F)) {
 #pragma GCC unroll 4
@@ -367,8 +368,8 @@ void tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64
     header<F>(h, s, o);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      acc[r] = vfma(vcvt(ia[r]), vmul(s, vset(xd[r * a.ldg + g])), acc[r]);
-      if constexpr (has_offset(F)) acc[r] = vfma(o, vset(xs[r * a.ldg + g]), acc[r]);
+      acc[r] = vfma(vcvt(ia[r]), vmul(s, vset(xd[g * a.ldm + r])), acc[r]);
+      if constexpr (has_offset(F)) acc[r] = vfma(o, vset(xs[g * a.ldm + r]), acc[r]);
     }
   }
 #pragma GCC unroll 16
@@ -401,106 +402,152 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// One panel, all M rows: per pair of groups, the weights' quants transposed into B (G / 4 rows of 16
-// columns x 4 bytes), then per 16 rows C = A B (A: the rows' activation bytes) for both groups, then each
-// row's float chain as above, the groups in order. (Two groups in flight: the tile operations of one
-// overlap the other's.) The tile configuration is loaded by the caller.
+// A panel's weights as AMX B tiles, once per call: per group G / 4 rows of 16 columns x 4 bytes (nibble
+// formats: the low then the high nibbles of each 64 bytes, the order of the activations).
 template <int F>
-inline void amx_weights(const uint8_t* q, uint8_t* bt, I& excess) {
-  constexpr int G = kInfo[F].group;
-  I sw = izero();  // Q8_0: the column sums of the quants
-  if constexpr (nibbles(F)) {
-    for (int t = 0; t < 4; ++t) {
-      const I v = wload(q + 64 * t);
-      _mm512_store_si512(bt + 128 * t, lo4(v).v);
-      _mm512_store_si512(bt + 128 * t + 64, hi4(v).v);
+void amx_panel_weights(const uint8_t* w, int64_t groups, uint8_t* bt) {
+  constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* q = w + g * GB + HB;
+    uint8_t* b = bt + g * (G / 4 * 64);
+    if constexpr (nibbles(F)) {
+      for (int t = 0; t < 4; ++t) {
+        const I v = wload(q + 64 * t);
+        _mm512_store_si512(b + 128 * t, lo4(v).v);
+        _mm512_store_si512(b + 128 * t + 64, hi4(v).v);
+      }
+    } else {
+      for (int t = 0; t < G / 4; ++t) _mm512_store_si512(b + 64 * t, wload(q + 64 * t).v);
     }
-  } else {
-    for (int t = 0; t < G / 4; ++t) {
-      const I v = wload(q + 64 * t);
-      if constexpr (F == kQ8_0) sw = dot(sw, iset(0x01010101), v);
-      _mm512_store_si512(bt + 64 * t, v.v);
-    }
-  }
-  excess = ishl7(sw);
-}
-
-template <int F>
-inline void amx_rows(const Act& a, int64_t m0, int64_t rows, int64_t g, const int32_t* ct, V s, V o, I excess,
-                     float* accs) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t m = m0 + r;
-    __m512i ia = _mm512_load_si512(ct + 16 * r);
-    if constexpr (F == kQ4_0 || F == kQ6_K) ia = _mm512_add_epi32(ia, _mm512_set1_epi32(a.ic[m * a.ldg + g]));
-    if constexpr (F == kQ8_0) ia = _mm512_sub_epi32(ia, excess.v);
-    V acc = vload(accs + 16 * m);
-    acc = vfma(vcvt(I{ia}), vmul(s, vset(a.d[m * a.ldg + g])), acc);
-    if constexpr (has_offset(F)) acc = vfma(o, vset(a.ds[m * a.ldg + g]), acc);
-    vstore(accs + 16 * m, acc);
   }
 }
 
+// Tiles: C in 0/1, A in 2/3, B in 4/5 (two groups in flight: the tile product of group g + 1 runs while the
+// vector units do group g's float chain).
+// rows: of A and C (calls of fewer than 16 rows multiply only those)
 template <int F>
-void amx_config() {
+void amx_config(int rows) {
   constexpr int G = kInfo[F].group;
   TileConfig cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
   for (int t = 0; t < 2; ++t) {
-    cfg.rows[t] = 16, cfg.colsb[t] = 64;          // C: 16 rows x 16 int32
-    cfg.rows[2 + t] = 16, cfg.colsb[2 + t] = G;   // A: 16 rows x G activation bytes
+    cfg.rows[t] = rows, cfg.colsb[t] = 64;           // C: rows x 16 int32
+    cfg.rows[2 + t] = rows, cfg.colsb[2 + t] = G;    // A: rows x G activation bytes
     cfg.rows[4 + t] = G / 4, cfg.colsb[4 + t] = 64;  // B: G / 4 rows x 16 columns x 4 bytes
   }
   _tile_loadconfig(&cfg);
 }
 
-template <int F>
-void panel_amx(const Act& a, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy, int cols,
-               const float* bias, bool accumulate, float* accs) {
-  constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
-  alignas(64) uint8_t bt[2][G / 4 * 64];
-  alignas(64) int32_t ct[2][16 * 16];
+// group g's product into C tile 0 (A 2, B 4) or 1 (A 3, B 5): the tile numbers are immediates
+#define GOOSE_AMX_ISSUE(NAME, C, A, B)                                                  \
+  template <int F>                                                                      \
+  inline void NAME(const uint8_t* xa, int64_t ldq, const uint8_t* b) {                  \
+    _tile_loadd(A, xa, ldq);                                                            \
+    _tile_loadd(B, b, 64);                                                              \
+    _tile_zero(C);                                                                      \
+    if constexpr (F == kQ8_0) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);        \
+  }
+GOOSE_AMX_ISSUE(amx_issue0, 0, 2, 4)
+GOOSE_AMX_ISSUE(amx_issue1, 1, 3, 5)
+#undef GOOSE_AMX_ISSUE
+
+// R rows (m0..) of one panel: per group, C = A B in tiles, stored, then each row's float chain as in `tile`
+// (the integer corrections are exact, so adding them after the product changes nothing), accumulators in
+// registers.
+template <int F, int R>
+void amx_tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, const uint8_t* bt, float* y, int64_t ldy,
+              int cols, const float* bias, bool accumulate) {
+  constexpr int G = kInfo[F].group, GB = group_bytes(F), BB = G / 4 * 64;
   const int64_t groups = K / G;
-  for (int64_t m = 0; m < M; ++m) _mm512_storeu_ps(accs + 16 * m, _mm512_setzero_ps());
-  for (int64_t g = 0; g < groups; g += 2) {
-    const bool two = g + 1 < groups;
-    const uint8_t* h = w + g * GB;
-    for (int off = 0; off < 2 * GB; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(h + 4 * GB + off), _MM_HINT_T0);
-    I ex0, ex1 = izero();
-    V s0, o0, s1, o1;
-    amx_weights<F>(h + HB, bt[0], ex0);
-    header<F>(h, s0, o0);
-    _tile_loadd(4, bt[0], 64);
-    if (two) {
-      amx_weights<F>(h + GB + HB, bt[1], ex1);
-      header<F>(h + GB, s1, o1);
-      _tile_loadd(5, bt[1], 64);
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += 16) {
-      const uint8_t* xa = a.q.data() + m0 * a.ldq + g * G;
-      _tile_loadd(2, xa, a.ldq);
-      _tile_zero(0);
-      if constexpr (F == kQ8_0) _tile_dpbusd(0, 2, 4); else _tile_dpbsud(0, 2, 4);
-      if (two) {
-        _tile_loadd(3, xa + G, a.ldq);
-        _tile_zero(1);
-        if constexpr (F == kQ8_0) _tile_dpbusd(1, 3, 5); else _tile_dpbsud(1, 3, 5);
-      }
-      _tile_stored(0, ct[0], 64);
-      if (two) _tile_stored(1, ct[1], 64);
-      const int64_t rows = M - m0 < 16 ? M - m0 : 16;
-      if (two) {  // per row: group g, then g + 1
-        for (int64_t r = 0; r < rows; ++r) {
-          amx_rows<F>(a, m0 + r, 1, g, ct[0] + 16 * r, s0, o0, ex0, accs);
-          amx_rows<F>(a, m0 + r, 1, g + 1, ct[1] + 16 * r, s1, o1, ex1, accs);
-        }
+  const uint8_t* xq = a.q.data() + m0 * a.ldq;
+  const float* xd = a.d.data() + m0;
+  const float* xs = has_offset(F) ? a.ds.data() + m0 : nullptr;
+  const int32_t* xc = a.ic.data() + m0;
+  alignas(64) int32_t ct[2][16 * 16];
+  V acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  // Pipelined: step g stores group g's C (its product issued two steps earlier), runs group g - 1's float
+  // chain on the C stored one step earlier, then issues group g + 2's product into the tiles just freed; so
+  // no tile or vector instruction waits for a tile result. (GCC's tile intrinsics declare no memory effects:
+  // the empty asm statements tell the compiler that the tile store wrote ct.)
+  amx_issue0<F>(xq, a.ldq, bt);
+  if (groups > 1) amx_issue1<F>(xq + G, a.ldq, bt + BB);
+  for (int64_t g = 0; g <= groups; ++g) {
+    if (g < groups) {
+      if (g & 1) {
+        _tile_stored(1, ct[1], 64);
+        asm volatile("" : "+m"(ct[1]));
       } else {
-        amx_rows<F>(a, m0, rows, g, ct[0], s0, o0, ex0, accs);
+        _tile_stored(0, ct[0], 64);
+        asm volatile("" : "+m"(ct[0]));
       }
+    }
+    if (g > 0) {
+      const int64_t gc = g - 1;  // group gc's float chain, exactly as in `tile`
+      const int32_t* c = ct[gc & 1];
+      V s, o;
+      header<F>(w + gc * GB, s, o);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        I ia{_mm512_load_si512(c + 16 * r)};
+        if constexpr (F == kQ4_0 || F == kQ6_K) ia = I{_mm512_add_epi32(ia.v, _mm512_set1_epi32(xc[gc * a.ldm + r]))};
+        acc[r] = vfma(vcvt(ia), vmul(s, vset(xd[gc * a.ldm + r])), acc[r]);
+        if constexpr (has_offset(F)) acc[r] = vfma(o, vset(xs[gc * a.ldm + r]), acc[r]);
+      }
+    }
+    if (g + 2 < groups) {
+      if (g & 1) amx_issue1<F>(xq + (g + 2) * G, a.ldq, bt + (g + 2) * BB);
+      else amx_issue0<F>(xq + (g + 2) * G, a.ldq, bt + (g + 2) * BB);
     }
   }
-  for (int64_t m = 0; m < M; ++m) store(y + m * ldy, vload(accs + 16 * m), cols, bias, accumulate);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) store(y + r * ldy, acc[r], cols, bias, accumulate);
+}
+
+template <int F>
+void amx_rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, const uint8_t* bt, float* y,
+              int64_t ldy, int cols, const float* bias, bool acc) {
+#define GOOSE_AMX_CASE(R) \
+  case R: amx_tile<F, R>(a, m0, K, w, bt, y, ldy, cols, bias, acc); break;
+  switch (r) {
+    GOOSE_AMX_CASE(16) GOOSE_AMX_CASE(15) GOOSE_AMX_CASE(14) GOOSE_AMX_CASE(13) GOOSE_AMX_CASE(12)
+    GOOSE_AMX_CASE(11) GOOSE_AMX_CASE(10) GOOSE_AMX_CASE(9) GOOSE_AMX_CASE(8) GOOSE_AMX_CASE(7)
+    GOOSE_AMX_CASE(6) GOOSE_AMX_CASE(5) GOOSE_AMX_CASE(4) GOOSE_AMX_CASE(3) GOOSE_AMX_CASE(2)
+    default: amx_tile<F, 1>(a, m0, K, w, bt, y, ldy, cols, bias, acc); break;
+  }
+#undef GOOSE_AMX_CASE
+}
+
+// All M rows of each panel: the panel's B tiles made once, then row tiles of 16 (the activation rows past M
+// are zero, see `quantize`).
+template <int F>
+void linear_amx(const Act& a, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
+                bool acc) {
+  constexpr int G = kInfo[F].group;
+  const int64_t groups = K / G, panels = (N + kCols - 1) / kCols, pbytes = groups * group_bytes(F);
+#pragma omp parallel
+  {
+    uint8_t* bt = static_cast<uint8_t*>(aligned_alloc(64, groups * (G / 4 * 64)));
+    amx_config<F>(M < 16 ? static_cast<int>(M) : 16);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
+      const uint8_t* w = packed + p * pbytes;
+      amx_panel_weights<F>(w, groups, bt);
+      if (p + 1 < panels)  // the next panel's weights arrive while this one computes
+        for (int64_t off = 0; off < pbytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + pbytes + off), _MM_HINT_T0);
+      asm volatile("" ::: "memory");  // the tile loads read bt (the tile intrinsics declare no memory use)
+      for (int64_t m = 0; m < M; m += 16) {
+        const int r = static_cast<int>(M - m < 16 ? M - m : 16);
+        amx_rows<F>(r, a, m, K, w, bt, y + m * N + p * kCols, N, cols, bias ? bias + p * kCols : nullptr, acc);
+      }
+    }
+    _tile_release();
+    free(bt);
+  }
 }
 #endif
 
@@ -508,26 +555,14 @@ template <int F>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
             bool acc) {
   Act a;
-  quantize<F>(x, M, K, a);
 #if GOOSE_AMX
   if (M >= kAmxRows) {
-    const int64_t panels = (N + kCols - 1) / kCols;
-    const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
-#pragma omp parallel
-    {
-      std::vector<float> accs(M * kCols);
-      amx_config<F>();
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < panels; ++p) {
-        const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
-        panel_amx<F>(a, M, K, packed + p * pbytes, y + p * kCols, N, cols, bias ? bias + p * kCols : nullptr, acc,
-                     accs.data());
-      }
-      _tile_release();
-    }
+    quantize<F>(x, M, K, a, false);
+    linear_amx<F>(a, M, K, packed, N, bias, y, acc);
     return;
   }
 #endif
+  quantize<F>(x, M, K, a, kOffsetQ8);
   const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
   const int64_t tiles = (M + kTile - 1) / kTile;  // rows spread evenly over the fewest tiles
