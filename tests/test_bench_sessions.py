@@ -201,3 +201,57 @@ def test_cli_sessions_with_memory(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(argv + ["--memory-mb", "0"])
     assert "must be > 0" in capsys.readouterr().err
+
+
+def test_vllm_sessions_logic_with_stand_in_engines(tiny, tmp_path, monkeypatch):
+    """`--engine vllm` sessions without vLLM: its workers stood in by goose Decoders on the tiny model (plain
+    by `ar`, suffix@MODE by goose@MODE, which resets the same way), to check the passes, fills and table."""
+    from goose.bench import vllm_engine as ve
+
+    model, tok = tiny
+    mdir = saved(tiny, tmp_path)
+    resets: list = []
+
+    class StandIn(ve._DecoderEngine):
+        def __init__(self, method):
+            super().__init__(model, tok, "ar" if method == "plain" else method.replace("suffix", "goose"), 64)
+            self.method = method
+
+        def reset(self, sequences):
+            resets.append((self.method, [list(p) + list(a) for p, a in sequences]))
+            return super().reset(sequences)
+
+    class Engines:
+        def __init__(self, methods, *args):
+            self.methods = methods
+
+        def __enter__(self):
+            return {m: StandIn(m) for m in self.methods}
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(ve, "_engines", Engines)
+    monkeypatch.setattr("goose.loading.model.load_model", lambda path, *a, **k: (model, tok))
+    qs = _sessions(tok)
+    methods = ["plain", "suffix@cold", "suffix@warm", "decoder/ar", "decoder/goose@warm"]
+    result = ve.run_sessions(methods, str(mdir), qs, False, MAX_NEW)
+    ref = result["reference"]["plain"]
+    for m in methods:
+        for q in qs:
+            assert [t["token_ids"] for t in result["turns"][m][q.question_id]] == \
+                [t["token_ids"] for t in ref[q.question_id]]
+    prompter = ve.session_prompter(str(mdir), False)
+    seqs = {}
+    for q in qs:
+        answers = [t["token_ids"] for t in ref[q.question_id]]
+        seqs[q.question_id] = [prompter.turn_ids(q, t, answers) + answers[t] for t in range(len(answers))]
+    warm = [fill for m, fill in resets if m == "suffix@warm"]
+    assert warm == [seqs["s1"] + seqs["s2"], seqs["s0"] + seqs["s2"], seqs["s0"] + seqs["s1"]]
+    assert [fill for m, fill in resets if m == "suffix@cold"] == [[], [], []]
+    table = ve.session_table(result, qs)
+    assert all(r["identical"] == r["turns"] == 9 for r in table["all"].values())
+    assert table["all"]["plain"]["tau"] == 1.0 and table["all"]["decoder/goose@warm"]["from_memory"] > 0
+    text = ve.render_sessions(table, {"cpu": "cpu", "threads": 1, "vllm": "x", "model": "tiny", "sessions": 3,
+                                      "dataset": "d", "max_new_tokens": MAX_NEW, "chat": False, "decoder": True})
+    assert "| suffix@warm |" in text and "| decoder/goose@warm |" in text

@@ -114,6 +114,8 @@ def render_dir(out: Path) -> Path:
 
 
 def cmd_bench(args) -> int:
+    if args.with_decoder and args.engine != "vllm":
+        raise GooseError("--with-decoder runs goose's Decoder beside vLLM: it needs --engine vllm")
     if args.engine == "vllm" and args.arith != "exact":
         raise GooseError("--arith int8 is goose's own arithmetic; vLLM's engine runs its own (drop --arith or "
                          "--engine vllm)")
@@ -260,7 +262,12 @@ def register(sub) -> None:
     b.add_argument("--limit", type=int, help="first N questions of each category")
     b.add_argument("--engine", choices=("goose", "vllm"), default="goose",
                    help="vllm: vLLM's plain/ngram/suffix and goose's GooseProposer (--methods from "
-                        "plain,ngram,suffix,goose), run from the venv of `make vllm`")
+                        "plain,ngram,suffix,goose; sessions and --memory: default plain,suffix, with suffix@MODE "
+                        "rows), run from the venv of `make vllm`")
+    b.add_argument("--with-decoder", action="store_true",
+                   help="with --engine vllm: also run goose's own Decoder in the bench process (rows decoder/ar, "
+                        "decoder/goose, decoder/goose@MODE for each --memory mode), taking turns with vLLM's "
+                        "methods session by session")
     b.add_argument("--concurrency", type=positive_int,
                    help="serve the questions through one Engine per method with N requests in flight (aggregate "
                         "tokens/s, TTFT and TPOT percentiles, lossless column); writes OUT/concurrency.md")

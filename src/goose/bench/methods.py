@@ -43,17 +43,17 @@ def parse_memory(text: str | None) -> list[str]:
     return list(dict.fromkeys(modes))
 
 
-def with_memory(methods: list[str], modes: list[str]) -> list[str]:
+def with_memory(methods: list[str], modes: list[str], memory_methods: tuple[str, ...] = MEMORY_METHODS) -> list[str]:
     """`methods` with a `@mode` variant of each memory method after it, for every mode."""
     if not modes:
         return methods
-    bases = [m for m in methods if m in MEMORY_METHODS]
+    bases = [m for m in methods if m in memory_methods]
     if not bases:
         raise GooseError(f"--memory needs a method that drafts from the memory in --methods "
-                         f"({', '.join(MEMORY_METHODS)})")
+                         f"({', '.join(memory_methods)})")
     out = []
     for m in methods:
         out.append(m)
-        if m in MEMORY_METHODS:
+        if m in memory_methods:
             out += [f"{m}@{mode}" for mode in modes if f"{m}@{mode}" not in methods]
     return list(dict.fromkeys(out))
