@@ -252,6 +252,7 @@ def test_vllm_sessions_logic_with_stand_in_engines(tiny, tmp_path, monkeypatch):
     table = ve.session_table(result, qs)
     assert all(r["identical"] == r["turns"] == 9 for r in table["all"].values())
     assert table["all"]["plain"]["tau"] == 1.0 and table["all"]["decoder/goose@warm"]["from_memory"] > 0
+    assert table["all"]["decoder/ar"]["same_as_vllm_plain"] == 9
     text = ve.render_sessions(table, {"cpu": "cpu", "threads": 1, "vllm": "x", "model": "tiny", "sessions": 3,
                                       "dataset": "d", "max_new_tokens": MAX_NEW, "chat": False, "decoder": True})
     assert "| suffix@warm |" in text and "| decoder/goose@warm |" in text

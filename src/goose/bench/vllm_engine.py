@@ -512,6 +512,10 @@ def session_table(result: dict, questions) -> dict:
             base = rows.get(DECODER + "ar" if m.startswith(DECODER) else "plain")
             r["vs_ref"] = r["tok_s"] / base["tok_s"] if base and base["tok_s"] and r["tok_s"] else None
             r["vs_plain"] = r["tok_s"] / rows["plain"]["tok_s"] if rows["plain"]["tok_s"] and r["tok_s"] else None
+        if DECODER + "ar" in result["reference"]:  # do the two engines agree? (same turn ids for both)
+            a = [t for q in qs for t in result["reference"][DECODER + "ar"][q.question_id]]
+            b = [t for q in qs for t in result["reference"]["plain"][q.question_id]]
+            rows[DECODER + "ar"]["same_as_vllm_plain"] = sum(x["token_ids"] == y["token_ids"] for x, y in zip(a, b))
         table[c] = rows
     return table
 
@@ -537,6 +541,10 @@ def render_sessions(table: dict, meta: dict) -> str:
             lines.append(f"| {m} | {r['tokens']} | {r['seconds']:.1f} | {f(r['tok_s'], '{:.1f}')} | "
                          f"{f(r['tau'], '{:.2f}')} | {f(r['vs_ref'], '{:.2f}x')} | {f(r['vs_plain'], '{:.2f}x')} | "
                          f"{f(r['from_memory'], '{:.1%}')} | {r['identical']}/{r['turns']} |")
+        same = rows.get(DECODER + "ar", {}).get("same_as_vllm_plain")
+        if same is not None:
+            lines += ["", f"goose's `decoder/ar` and vLLM `plain` gave the same tokens on {same} of "
+                          f"{rows[DECODER + 'ar']['turns']} turns."]
         lines.append("")
     return "\n".join(lines)
 
