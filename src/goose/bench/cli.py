@@ -10,11 +10,11 @@ from pathlib import Path
 
 from .. import cachefs
 from ..cliargs import add_model_args, add_sampling_args, positive_int, prefix_cache_mb, sampling_options
-from ..config import DEFAULT_PREFIX_CACHE_MB
+from ..config import DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB, check_memory_mb
 from ..errors import GooseError
 from ..loading.packaged import DEFAULT_MODEL
 from . import datasets
-from .methods import ALL_METHODS, HF_METHODS
+from .methods import ALL_METHODS, HF_METHODS, MEMORY_MODES, check, parse_memory, split, with_memory
 
 # torch, transformers and matplotlib are imported by the commands that use them, not at start-up
 
@@ -24,14 +24,14 @@ DEMO_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag"
 SPEC_BENCH_FILE = Path("data") / "spec_bench" / "question.jsonl"  # inside the `shared` folder beside the repo
 
 
-def parse_methods(text: str) -> list[str]:
+def parse_methods(text: str, memory: str | None = None) -> list[str]:
+    """--methods, checked, with the `@mode` variants `--memory` asks for (`methods.with_memory`)."""
     methods = [m.strip() for m in text.split(",") if m.strip()]
     if not methods:
         raise GooseError("--methods is empty")
     for m in methods:
-        if m not in ALL_METHODS:
-            raise GooseError(f"unknown method '{m}'; choose from: {', '.join(ALL_METHODS)}")
-    return methods
+        check(m)
+    return with_memory(methods, parse_memory(memory))
 
 
 def model_key(model: str) -> str:
@@ -62,6 +62,10 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     if why:
         raise GooseError(why)
     methods = with_reference(args.methods)
+    memory_mb = getattr(args, "memory_mb", DEFAULT_MEMORY_MB) if any(split(m)[1] for m in methods) else None
+    if old and old.get("memory_mb") is not None and memory_mb is not None and old["memory_mb"] != memory_mb:
+        raise GooseError(f"{out} holds a run with memory_mb={old['memory_mb']!r}, not {memory_mb!r}; use another "
+                         f"--out directory")
     settings = method_settings(methods)  # a missing datastore fails here, before the model load
     t0 = time.perf_counter()
     model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None),
@@ -70,10 +74,11 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     baseline = load_baseline(args.model, args.dtype, args.device)[0] if any(m in HF_METHODS for m in methods) \
         else None
     runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"],
-                    sampling=pinned["sampling"], baseline=baseline)
+                    sampling=pinned["sampling"], baseline=baseline, memory_mb=memory_mb or 0)
     meta = {**store.environment(pinned["model"], model, args.dtype, args.device, argv), **pinned,
             "weights": weights_kind(model), "baseline_weights": None if baseline is None else "float32 (transformers)",
             "dataset": dataset, "repeats": args.repeats,
+            "memory_mb": memory_mb if memory_mb is not None else (old or {}).get("memory_mb"),
             "method_settings": {**(old or {}).get("method_settings", {}), **settings},
             "methods": methods + [m for m in (old or {}).get("methods", []) if m not in methods]}
     store.open_run(out, meta)
@@ -109,6 +114,8 @@ def render_dir(out: Path) -> Path:
 
 
 def cmd_bench(args) -> int:
+    if args.with_decoder and args.engine != "vllm":
+        raise GooseError("--with-decoder runs goose's Decoder beside vLLM: it needs --engine vllm")
     if args.engine == "vllm" and args.arith != "exact":
         raise GooseError("--arith int8 is goose's own arithmetic; vLLM's engine runs its own (drop --arith or "
                          "--engine vllm)")
@@ -118,11 +125,13 @@ def cmd_bench(args) -> int:
         args.methods = VLLM_METHODS if args.methods == DEFAULT_METHODS else args.methods
         questions = datasets.load(args.dataset, _split(args.categories), args.limit)
         return cmd_bench_vllm(args, questions, sys.argv[1:])
-    args.methods = parse_methods(args.methods)
+    args.methods = parse_methods(args.methods, args.memory)
     questions = datasets.load(args.dataset, _split(args.categories), args.limit)
     if not questions:
         raise GooseError(f"dataset '{args.dataset}' gave no questions")
     if args.concurrency is not None or args.rate is not None:
+        if any(split(m)[1] for m in args.methods):
+            raise GooseError("--memory runs sessions one at a time; it cannot be combined with --concurrency/--rate")
         return run_concurrency(args, questions)
     return run_bench(args, questions, args.dataset, sys.argv[1:])
 
@@ -209,6 +218,20 @@ def demo_verdict(summary: dict) -> str:
             f"{same} (higher is faster; the same text, only sooner)")
 
 
+def memory_mb_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    try:
+        mb = check_memory_mb(value)
+    except (GooseError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not mb > 0:
+        raise argparse.ArgumentTypeError("must be > 0 (the memory variants need a memory)")
+    return mb
+
+
 def _split(text: str | None) -> list[str] | None:
     return [c.strip() for c in text.split(",") if c.strip()] if text else None
 
@@ -233,12 +256,18 @@ def register(sub) -> None:
     b = sub.add_parser("bench", help="benchmark methods side by side (Spec-Bench-compatible answers, report, plots)")
     b.add_argument("--dataset", default="builtin",
                    help="builtin (default), humaneval, sharegpt, spec-bench:PATH, mt-bench:PATH, gsm8k:PATH, "
-                        "jsonl:PATH; several joined by commas")
+                        "jsonl:PATH, or the session workloads multiturn[:PATH], code-edit, agent; several joined "
+                        "by commas")
     b.add_argument("--categories", help="comma-separated categories to keep")
     b.add_argument("--limit", type=int, help="first N questions of each category")
     b.add_argument("--engine", choices=("goose", "vllm"), default="goose",
                    help="vllm: vLLM's plain/ngram/suffix and goose's GooseProposer (--methods from "
-                        "plain,ngram,suffix,goose), run from the venv of `make vllm`")
+                        "plain,ngram,suffix,goose; sessions and --memory: default plain,suffix, with suffix@MODE "
+                        "rows), run from the venv of `make vllm`")
+    b.add_argument("--with-decoder", action="store_true",
+                   help="with --engine vllm: also run goose's own Decoder in the bench process (rows decoder/ar, "
+                        "decoder/goose, decoder/goose@MODE for each --memory mode), taking turns with vLLM's "
+                        "methods session by session")
     b.add_argument("--concurrency", type=positive_int,
                    help="serve the questions through one Engine per method with N requests in flight (aggregate "
                         "tokens/s, TTFT and TPOT percentiles, lossless column); writes OUT/concurrency.md")
@@ -247,6 +276,13 @@ def register(sub) -> None:
     b.add_argument("--prefix-cache-mb", type=prefix_cache_mb, default=DEFAULT_PREFIX_CACHE_MB,
                    help="with --concurrency: the engine's prefix cache (Engine(prefix_cache_mb=...); 0 = off; "
                         f"default {DEFAULT_PREFIX_CACHE_MB})")
+    b.add_argument("--memory",
+                   help=f"comma-separated, from {', '.join(MEMORY_MODES)}: run goose with its suffix memory too, "
+                        "once per mode (rows goose@MODE): the memory starts each session empty (cold), holding "
+                        "the run's earlier sessions (earlier) or every other session (warm); default: goose "
+                        "without memory only")
+    b.add_argument("--memory-mb", type=memory_mb_arg, default=DEFAULT_MEMORY_MB,
+                   help=f"with --memory: MiB of each memory variant's suffix memory (default {DEFAULT_MEMORY_MB})")
     _common(b, 256, "runs/bench", DEFAULT_METHODS)
     b.set_defaults(func=cmd_bench)
 

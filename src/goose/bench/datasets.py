@@ -3,6 +3,7 @@
 A dataset spec is one name or several joined by commas::
 
     builtin | humaneval | sharegpt | spec-bench:PATH | mt-bench:PATH | gsm8k:PATH | jsonl:PATH
+    multiturn[:PATH] | code-edit | agent     (session workloads: `goose.bench.workloads`)
 
 Every loader returns `Question`s; `--limit N` keeps the first N questions *of each category*, so a mixed
 set (e.g. ``humaneval,spec-bench:PATH``) gets the same number of prompts per category.
@@ -30,6 +31,7 @@ class Question:
     question_id: int | str
     category: str
     turns: tuple[str, ...]
+    system: str | None = None  # a system prompt before the first turn (the chat template's system message)
 
 
 # A small built-in set for runs without data files (and for tests): one or two per category, one multi-turn.
@@ -92,6 +94,13 @@ def _load_one(part: str, limit: int | None) -> list[Question]:
         return humaneval()
     if name == "sharegpt":
         return sharegpt(limit)
+    if name in ("multiturn", "code-edit", "agent"):
+        from . import workloads
+
+        if name != "multiturn" and path:
+            raise GooseError(f"workload '{name}' is built in and takes no file")
+        spec = Path(path) if path else _spec_bench_file()
+        return workloads.load(name, spec)
     if name in ("spec-bench", "mt-bench", "gsm8k", "jsonl"):
         if not path:
             raise GooseError(f"dataset '{name}' needs a file: '{name}:PATH' "
@@ -105,7 +114,13 @@ def _load_one(part: str, limit: int | None) -> list[Question]:
             raise GooseError(f"{path} holds no {name} questions")
         return qs
     raise GooseError(f"unknown dataset '{part}'; choose builtin, humaneval, sharegpt, spec-bench:PATH, "
-                     f"mt-bench:PATH, gsm8k:PATH or jsonl:PATH")
+                     f"mt-bench:PATH, gsm8k:PATH, jsonl:PATH, multiturn[:PATH], code-edit or agent")
+
+
+def _spec_bench_file() -> Path | None:
+    from .cli import spec_bench_file
+
+    return spec_bench_file()
 
 
 def humaneval() -> list[Question]:
@@ -135,7 +150,8 @@ def sharegpt(limit: int | None = None) -> list[Question]:
 
 
 def read_jsonl(path: Path) -> list[Question]:
-    """Spec-Bench question file or a user's JSONL: one {"id"|"question_id", "category", "turns"} per line."""
+    """Spec-Bench question file or a user's JSONL: one {"id"|"question_id", "category", "turns"} per line, with
+    an optional "system" prompt."""
     if not path.is_file():
         raise GooseError(f"dataset file not found: {path}")
     out = []
@@ -162,7 +178,10 @@ def read_jsonl(path: Path) -> list[Question]:
         category = row.get("category", "default")
         if not isinstance(category, str) or not category:
             raise GooseError(f"{path} line {n}: 'category' must be a non-empty string")
-        out.append(Question(qid, category, tuple(turns)))
+        system = row.get("system")
+        if system is not None and (not isinstance(system, str) or not system.strip()):
+            raise GooseError(f"{path} line {n}: 'system' must be a non-empty string when given")
+        out.append(Question(qid, category, tuple(turns), system))
     if not out:
         raise GooseError(f"{path} holds no questions")
     return out

@@ -15,12 +15,12 @@ from dataclasses import asdict
 
 import torch
 
-from ..config import DecodeConfig, LookaheadConfig, RestConfig
+from ..config import DEFAULT_MEMORY_MB, DecodeConfig, LookaheadConfig, RestConfig
 from ..decoding import Decoder
 from ..drafting import datastore
 from ..engine.methods import METHODS
 from ..errors import GooseError
-from .methods import ALL_METHODS, HF_METHODS
+from .methods import ALL_METHODS, HF_METHODS, split
 
 
 def load_baseline(model: str, dtype: str = "float32", device: str | None = "cpu"):
@@ -32,12 +32,26 @@ def load_baseline(model: str, dtype: str = "float32", device: str | None = "cpu"
 
 
 class GooseEngine:
-    """A goose method: stats come straight from the step loop."""
+    """A goose method: stats come straight from the step loop.
 
-    def __init__(self, model, tokenizer, method: str, config=None, sampling: dict | None = None) -> None:
-        # no suffix memory: a turn's repeats and the warm-up would draft from the turn's own earlier answer
-        self.decoder = Decoder(model, tokenizer, method, config, memory_mb=0)
+    memory_mb 0 (the plain method names): no suffix memory, since a turn's repeats and the warm-up would
+    draft from the turn's own earlier answer. The memory variants (`goose@warm`, ...) get one, which the
+    runner empties and fills (`reset`) before each run of a session."""
+
+    def __init__(self, model, tokenizer, method: str, config=None, sampling: dict | None = None,
+                 memory_mb: float = 0) -> None:
+        self.decoder = Decoder(model, tokenizer, method, config, memory_mb=memory_mb)
         self.sampling = sampling or {}
+
+    @property
+    def memory(self):
+        return self.decoder.memory
+
+    def reset(self, sequences: list[list[int]]) -> None:
+        """Empty the memory, then store `sequences` (earlier requests' prompt + answer), oldest first."""
+        self.decoder.memory.clear()
+        for seq in sequences:
+            self.decoder.memory.insert(seq)
 
     def generate(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
         out, stats = self.decoder.generate_ids(ids, DecodeConfig(max_new_tokens=max_new_tokens, **self.sampling))
@@ -126,11 +140,18 @@ def method_settings(methods: list[str]) -> dict:
     return out
 
 
-def make_engine(model, tokenizer, method: str, config=None, sampling: dict | None = None, baseline=None):
+def make_engine(model, tokenizer, method: str, config=None, sampling: dict | None = None, baseline=None,
+                memory_mb: float = DEFAULT_MEMORY_MB):
     """sampling: DecodeConfig sampling fields (do_sample, temperature, top_k, top_p, seed); None: greedy.
-    baseline: the model Hugging Face's methods run on (default `model`)."""
+    baseline: the model Hugging Face's methods run on (default `model`). memory_mb: the suffix memory of a
+    memory variant (`goose@cold`, `goose@earlier`, `goose@warm`)."""
     if method in HF_METHODS:
         return HFEngine(model if baseline is None else baseline, method, sampling)
     if method in METHODS:
         return GooseEngine(model, tokenizer, method, config, sampling)
+    base, mode = split(method)
+    if mode is not None and base in METHODS:
+        if not memory_mb > 0:
+            raise GooseError(f"'{method}' drafts from the suffix memory: --memory-mb must be > 0")
+        return GooseEngine(model, tokenizer, base, config, sampling, memory_mb=memory_mb)
     raise GooseError(f"unknown method '{method}'; choose from: {', '.join(ALL_METHODS)}")

@@ -14,6 +14,8 @@ COLUMNS = (
     ("spine/branch", "heterogeneity", "{:.1f}x"), ("spine cont.", "spine_continuation_share", "{:.1%}"),
     ("tree size", "mean_tree_size", "{:.1f}"),
 )
+# shown when the run has memory variants (goose@cold, goose@earlier, goose@warm)
+MEMORY_COLUMNS = (("acc. memory", "acceptance_rate_memory", "{:.1%}"), ("from memory", "memory_token_share", "{:.1%}"))
 PER_CATEGORY = (("Speedup vs ar", "speedup_vs_ar", "{:.2f}x"), ("Speedup vs hf-ar", "speedup_vs_hf_ar", "{:.2f}x"),
                 ("τ (tokens per forward)", "tau", "{:.2f}"), ("Tokens/s", "tokens_per_s", "{:.1f}"))
 
@@ -28,11 +30,39 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def overall_table(summary: dict) -> list[str]:
+    cols = COLUMNS + (MEMORY_COLUMNS if memory_groups(summary) else ())
     rows = []
     for m in summary["methods"]:
         cell = summary["table"][m][ALL]
-        rows.append([m] + [fmt(cell[k], f) for _, k, f in COLUMNS] + [_lossless(cell)])
-    return _table(["method"] + [h for h, _, _ in COLUMNS] + ["lossless"], rows)
+        rows.append([m] + [fmt(cell.get(k), f) for _, k, f in cols] + [_lossless(cell)])
+    return _table(["method"] + [h for h, _, _ in cols] + ["lossless"], rows)
+
+
+def memory_groups(summary: dict) -> dict[str, list[str]]:
+    """{base method: [base (if run), its memory variants]} for every method run with a memory variant."""
+    groups: dict[str, list[str]] = {}
+    for m in summary["methods"]:
+        base, sep, _ = m.partition("@")
+        if sep:
+            groups.setdefault(base, [base] if base in summary["methods"] else []).append(m)
+    return groups
+
+
+def memory_tables(summary: dict) -> list[str]:
+    """Per base method, per category: τ, speedup vs ar and the share of tokens drafted from the memory,
+    without memory and in each memory mode, side by side."""
+    out = []
+    for base, group in memory_groups(summary).items():
+        header = (["category"] + [f"τ {m}" for m in group] + [f"vs ar {m}" for m in group]
+                  + [f"from memory {m}" for m in group if "@" in m])
+        rows = []
+        for c in summary["categories"]:
+            cells = [summary["table"][m][c] for m in group]
+            rows.append([c] + [fmt(x["tau"], "{:.2f}") for x in cells]
+                        + [fmt(x["speedup_vs_ar"], "{:.2f}x") for x in cells]
+                        + [fmt(x.get("memory_token_share"), "{:.1%}") for m, x in zip(group, cells) if "@" in m])
+        out += ([""] if out else []) + _table(header, rows)
+    return out
 
 
 def _lossless(cell: dict) -> str:
@@ -98,6 +128,13 @@ def render(summary: dict, plots: list[Path]) -> str:
     out += overall_table(summary)
     for title, key, spec in PER_CATEGORY:
         out += ["", f"## {title} by category", ""] + category_table(summary, key, spec)
+    if memory_groups(summary):
+        out += ["", "## Suffix memory: cold and warm by category", "",
+                "The memory variants start every session with the memory empty (`@cold`), holding the run's "
+                "earlier sessions (`@earlier`) or every other session (`@warm`), each turn's prompt and answer; "
+                "the session's own turns are added as they finish. \"from memory\" = tokens drafted from the "
+                "memory and accepted, over all generated tokens.", ""]
+        out += memory_tables(summary)
     out += ["", "## Lossless (identical turns) by category", ""]
     cats = summary["categories"]
     out += _table(["method"] + cats, [[m] + [_lossless(summary["table"][m][c]) for c in cats]
@@ -121,4 +158,7 @@ def console_table(summary: dict) -> str:
     """The tables a terminal user wants first: overall, then speedup vs ar by category."""
     lines = overall_table(summary) + ["", "speedup vs ar by category:"]
     lines += category_table(summary, "speedup_vs_ar", "{:.2f}x")
+    if memory_groups(summary):
+        lines += ["", "suffix memory by category (τ, speedup vs ar, share of tokens drafted from memory):"]
+        lines += memory_tables(summary)
     return "\n".join(lines)

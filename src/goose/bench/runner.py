@@ -4,8 +4,10 @@ For each question the methods still missing from the answers files run in turn (
 machine drift hits all of them alike; `repeats` runs that round R times and keeps, per turn, the repeat
 with the median wall time. `ar` (goose's own loop, one token per forward) is always run: it is the
 reference of the lossless check and of the speedups. Multi-turn questions run every turn, each turn
-conditioned on the same method's earlier answers. One question's rows are written as soon as it is done,
-so Ctrl-C loses at most the question in flight and a rerun resumes.
+conditioned on the same method's earlier answers. A memory variant (`goose@cold|earlier|warm`) starts each
+run of a session with its suffix memory emptied and filled as its mode says (`_fill`); with a warm one, `ar`
+answers every question first. One question's rows are written as soon as it is done, so Ctrl-C loses at
+most the question in flight and a rerun resumes.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cliargs import first_mismatch
+from ..config import DEFAULT_MEMORY_MB
 from ..decoding import eos_ids, model_arith
 from ..errors import GooseError
 from . import store
 from .datasets import Question
 from .engines import HF_METHODS, make_engine
+from .methods import split
 
 REFERENCE = "ar"
 WARMUP_TOKENS = 8
@@ -46,18 +50,19 @@ def with_reference(methods: list[str]) -> list[str]:
 class Prompter:
     """Token ids of each turn: raw text (turns joined with the previous answer) or the chat template."""
 
-    def __init__(self, tokenizer, model, chat: bool) -> None:
+    def __init__(self, tokenizer, model, chat: bool, eos: set[int] | None = None) -> None:
+        """eos: the stop tokens a raw context drops from earlier answers (default: the model's)."""
         if tokenizer is None:
             raise GooseError("goose bench needs a tokenizer")
         if chat and not getattr(tokenizer, "chat_template", None):
             raise GooseError("--chat needs a tokenizer with a chat template, and this one has none")
         self.tok, self.chat = tokenizer, chat
-        self.eos = eos_ids(model, tokenizer)
+        self.eos = eos_ids(model, tokenizer) if eos is None else set(eos)
 
     def turn_ids(self, q: Question, turn: int, answers: list[list[int]]) -> list[int]:
         """Prompt of turn `turn`, given this method's answers (token ids) to the earlier turns."""
         if self.chat:
-            msgs = []
+            msgs = [{"role": "system", "content": q.system}] if q.system else []
             for t in range(turn + 1):
                 msgs.append({"role": "user", "content": q.turns[t]})
                 if t < turn:
@@ -66,7 +71,7 @@ class Prompter:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return list(ids)
-        ids = list(self.tok(q.turns[0])["input_ids"])
+        ids = list(self.tok(q.system + "\n\n" + q.turns[0] if q.system else q.turns[0])["input_ids"])
         for t in range(1, turn + 1):
             ans = list(answers[t - 1])
             while ans and ans[-1] in self.eos:  # a stop token does not belong inside a raw context
@@ -78,22 +83,26 @@ class Prompter:
 class Runner:
     def __init__(self, model, tokenizer, methods: list[str], max_new_tokens: int = 256, chat: bool = False,
                  repeats: int = 1, config=None, model_id: str = "model", sampling: dict | None = None,
-                 baseline=None) -> None:
-        """baseline: the model `hf-ar` / `hf-pld` run on (`engines.load_baseline`); default `model`."""
+                 baseline=None, memory_mb: float = DEFAULT_MEMORY_MB) -> None:
+        """baseline: the model `hf-ar` / `hf-pld` run on (`engines.load_baseline`); default `model`.
+        memory_mb: the suffix memory of each memory variant (`goose@cold`, `goose@earlier`, `goose@warm`)."""
         if repeats < 1:
             raise GooseError(f"--repeats must be >= 1, got {repeats}")
         self.model, self.tok = model, tokenizer
         self.arith = model_arith(model)  # goose's arithmetic (the hf-* baselines run float32)
         self.methods = with_reference(methods)
         self.sampling = sampling or {}
-        self.engines = {m: make_engine(model, tokenizer, m, config, self.sampling, baseline) for m in self.methods}
+        self.engines = {m: make_engine(model, tokenizer, m, config, self.sampling, baseline, memory_mb)
+                        for m in self.methods}
         self.prompter = Prompter(tokenizer, model, chat)
         self.max_new, self.repeats, self.model_id = max_new_tokens, repeats, model_id
         self.live = {m: [0, 0, 0.0] for m in self.methods}  # tokens, forwards, seconds (this session)
 
     # -- one method on one question -------------------------------------------------------------------
-    def _run_turns(self, method: str, q: Question) -> list[tuple[list[int], list[int], dict]]:
+    def _run_turns(self, method: str, q: Question, fill: list[list[int]] | None = None) -> list[tuple]:
         engine, answers, turns = self.engines[method], [], []
+        if fill is not None:  # a memory variant: the memory as this mode has it when the session starts
+            engine.reset(fill)
         for t in range(len(q.turns)):
             ids = self.prompter.turn_ids(q, t, answers)
             out, stats = engine.generate(ids, self.max_new)
@@ -106,8 +115,32 @@ class Runner:
         for engine in self.engines.values():
             engine.generate(ids, WARMUP_TOKENS)
 
+    def _sequences(self, q: Question, row: dict) -> list[list[int]]:
+        """What a decoder's memory takes in from one answered session: each turn's prompt and answer."""
+        answers = row["token_ids"]
+        return [self.prompter.turn_ids(q, t, answers) + list(answers[t]) for t in range(len(answers))]
+
+    def _fill(self, mode: str | None, q: Question, questions: list[Question], ref_rows: dict) -> list | None:
+        """The sequences a memory variant starts session `q` with: none (cold), those of the sessions before
+        `q` (earlier) or of every other session (warm), as `ar` answered them (every method is lossless)."""
+        if mode is None:
+            return None
+        if mode == "cold":
+            return []
+        i = next(k for k, p in enumerate(questions) if p.question_id == q.question_id)
+        others = questions[:i] if mode == "earlier" else questions[:i] + questions[i + 1:]
+        out = []
+        for p in others:
+            if p.question_id not in self._seq_cache:
+                self._seq_cache[p.question_id] = self._sequences(p, ref_rows[p.question_id])
+            out += self._seq_cache[p.question_id]
+        return out
+
     # -- the whole pass -----------------------------------------------------------------------------------
     def run(self, questions: list[Question], out: Path, progress: bool = True) -> RunResult:
+        """Every method on every question. With a `@warm` memory variant, `ar` first answers every question
+        still missing its answer (the warm memory holds the other sessions' answers); then the methods take
+        turns question by question."""
         rows = {m: {r["question_id"]: r for r in store.read_answers(store.answers_path(out, m))} for m in self.methods}
         pending = [q for q in questions if any(q.question_id not in rows[m] for m in self.methods)]
         skipped = len(questions) - len(pending)
@@ -115,19 +148,17 @@ class Runner:
             return RunResult(0, skipped, False)
         bar = _progress(len(questions), skipped, progress)
         done, interrupted = 0, False
+        self._seq_cache: dict = {}
         try:
             self.warmup(pending[0])
+            if any(split(m)[1] == "warm" for m in self.methods):
+                for q in pending:
+                    if q.question_id not in rows[REFERENCE]:
+                        self._question(q, [REFERENCE], questions, rows, out)
             for q in pending:
                 todo = [m for m in self.methods if q.question_id not in rows[m]]
-                runs = {m: [] for m in todo}
-                for _ in range(self.repeats):
-                    for m in todo:
-                        runs[m].append(self._run_turns(m, q))
-                ref = self._reference(q, runs, rows[REFERENCE].get(q.question_id))
-                for m in todo:
-                    row = self._row(q, m, runs[m], ref)
-                    store.append_row(out, m, row)
-                    rows[m][q.question_id] = row
+                if todo:
+                    self._question(q, todo, questions, rows, out)
                 done += 1
                 if bar is not None:
                     bar.update(1)
@@ -138,6 +169,19 @@ class Runner:
             if bar is not None:
                 bar.close()
         return RunResult(done, skipped, interrupted)
+
+    def _question(self, q: Question, todo: list[str], questions: list[Question], rows: dict, out: Path) -> None:
+        """The methods `todo` on question `q` (`repeats` rounds), checked against `ar`, rows written."""
+        fills = {m: self._fill(split(m)[1], q, questions, rows[REFERENCE]) for m in todo}
+        runs = {m: [] for m in todo}
+        for _ in range(self.repeats):
+            for m in todo:
+                runs[m].append(self._run_turns(m, q, fills[m]))
+        ref = self._reference(q, runs, rows[REFERENCE].get(q.question_id))
+        for m in todo:
+            row = self._row(q, m, runs[m], ref)
+            store.append_row(out, m, row)
+            rows[m][q.question_id] = row
 
     def _reference(self, q: Question, runs: dict, stored: dict | None) -> list[tuple[list[int], list[int]]]:
         """(prompt ids, tokens) of `ar` per turn: from this round, or rebuilt from its stored row."""

@@ -1,5 +1,6 @@
 """Aggregate the answers files of a run into `summary.json`: τ (new tokens per target forward), MAT (mean
-accepted tokens per step + 1), acceptance per draft source (spine, branch) and tokens per second, per method.
+accepted tokens per step + 1), acceptance per draft source (spine, branch, memory), the share of tokens drafted
+from the suffix memory, and tokens per second, per method.
 
 Tables compare methods on the same prompts: only questions that every method has answered count (a
 partial or interrupted run reports how many were left out). Ratios are of sums (tokens / seconds,
@@ -16,7 +17,7 @@ from .. import cachefs
 from ..errors import GooseError
 from . import store
 
-SOURCES = ("spine", "branch")
+SOURCES = ("spine", "branch", "memory")  # memory: the suffix memory of earlier requests (goose@MODE rows)
 ALL = "all"
 
 
@@ -41,10 +42,11 @@ def aggregate(rows: list[dict]) -> dict:
          "checked": sum(ok is not None for r in rows for ok in r["lossless"])}
     steps = len(accepts) if accepts is not None else None
     observed = all(s.get("drafted") is not None for s in st)
-    for src in SOURCES:
-        d = sum(s["drafted"][src] for s in st) if observed else None
-        a = sum(s["accepted"][src] for s in st) if observed else None
+    for src in SOURCES:  # rows recorded before the memory existed have no "memory" entry: none drafted
+        d = sum(s["drafted"].get(src, 0) for s in st) if observed else None
+        a = sum(s["accepted"].get(src, 0) for s in st) if observed else None
         m[f"drafted_{src}"], m[f"accepted_{src}"], m[f"acceptance_rate_{src}"] = d, a, _ratio(a, d)
+    m["memory_token_share"] = _ratio(m["accepted_memory"], tokens)  # tokens that were drafted from the memory
     m["heterogeneity"] = _ratio(m["acceptance_rate_spine"], m["acceptance_rate_branch"])
     cont, cont_tok = _sum(st, "spine_continuations"), _sum(st, "spine_continuation_tokens")
     m["spine_continuation_share"] = _ratio(cont, steps)
@@ -63,7 +65,7 @@ def detail(rows: list[dict]) -> dict:
     for src in SOURCES:
         drafted, accepted = [], []
         for s in st:
-            if s.get("depth_drafted") is None:
+            if s.get("depth_drafted") is None or src not in s["depth_drafted"]:
                 continue
             for i, (d, a) in enumerate(zip(s["depth_drafted"][src], s["depth_accepted"][src])):
                 while len(drafted) <= i:

@@ -88,7 +88,8 @@ class Worker:
     answering generation jobs one JSON line at a time, so methods can be interleaved prompt by prompt."""
 
     def __init__(self, method: str, model: str, max_model_len: int, max_num_seqs: int, threads: int = 2) -> None:
-        if method not in SPEC_CONFIGS:
+        base = method.partition("@")[0]  # suffix@warm: vLLM's suffix, its cache set by `reset`
+        if base not in SPEC_CONFIGS:
             raise GooseError(f"unknown vLLM method '{method}'; choose from: {', '.join(METHODS)}")
         self.method = method
         self.proc = subprocess.Popen([sys.executable, "-m", "goose.bench.vllm_engine"], stdin=subprocess.PIPE,
@@ -98,7 +99,7 @@ class Worker:
         import threading  # noqa: PLC0415
 
         threading.Thread(target=self._drain, daemon=True).start()
-        self.info = self._call({"op": "load", "method": method, "model": model, "max_model_len": max_model_len,
+        self.info = self._call({"op": "load", "method": base, "model": model, "max_model_len": max_model_len,
                                 "max_num_seqs": max_num_seqs})
 
     def _drain(self) -> None:
@@ -119,8 +120,13 @@ class Worker:
                 return json.loads(line[len("GOOSE-RESULT "):])
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> dict:
-        """All `prompts` submitted at once: {"token_ids": [...], "seconds": wall time}."""
+        """All `prompts` submitted at once: {"token_ids": [...], "seconds": wall time, "steps": forwards}."""
         return self._call({"op": "generate", "prompts": prompts, "max_new_tokens": max_new_tokens})
+
+    def reset(self, sequences: list[tuple[list[int], list[int]]]) -> dict:
+        """`suffix` only: empty the suffix cache of earlier responses, then cache `sequences` (prompt, answer)
+        as if this engine had just served them, oldest first."""
+        return self._call({"op": "reset", "sequences": [[list(p), list(a)] for p, a in sequences]})
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -137,6 +143,7 @@ def _serve() -> None:
     import gc  # noqa: PLC0415
 
     llm = None
+    steps = [0]
     for line in sys.stdin:
         job = json.loads(line)
         if job["op"] == "load":
@@ -147,9 +154,14 @@ def _serve() -> None:
                       max_num_seqs=job["max_num_seqs"], speculative_config=SPEC_CONFIGS[job["method"]], seed=0,
                       kv_cache_memory_bytes=KV_CACHE_BYTES)
             res = {"load_s": time.perf_counter() - t0}
+            steps = _count_steps(llm)
             _generate(llm, [[1, 2, 3, 4]], 8)  # warm-up
+        elif job["op"] == "reset":
+            res = _reset_suffix(llm, job["sequences"])
         else:
+            before = steps[0]
             res = _generate(llm, job["prompts"], job["max_new_tokens"])
+            res["steps"] = steps[0] - before if steps is not None else None
         print("GOOSE-RESULT " + json.dumps(res), flush=True)
         gc.collect()
 
@@ -168,15 +180,53 @@ def _generate(llm, prompts: list[list[int]], max_new_tokens: int) -> dict:
     return res
 
 
-def _drafter(llm):
-    """The engine's proposer object (in-process engine only), or None."""
+def _model_runner(llm):
+    """The engine's model runner (in-process engine only), or None."""
     obj = llm.llm_engine
-    for attr in ("engine_core", "engine_core", "model_executor", "driver_worker", "worker", "model_runner",
-                 "drafter"):
+    for attr in ("engine_core", "engine_core", "model_executor", "driver_worker", "worker", "model_runner"):
         obj = getattr(obj, attr, None)
         if obj is None:
             return None
     return obj
+
+
+def _drafter(llm):
+    """The engine's proposer object (in-process engine only), or None."""
+    return getattr(_model_runner(llm), "drafter", None)
+
+
+def _count_steps(llm) -> list[int] | None:
+    """A counter of the model runner's forwards that computed some tokens (prefill chunks included), kept up
+    to date by wrapping its `execute_model`; None when the runner cannot be reached."""
+    runner = _model_runner(llm)
+    if runner is None:
+        return None
+    count = [0]
+    inner = runner.execute_model
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        if getattr(scheduler_output, "total_num_scheduled_tokens", 1) > 0:
+            count[0] += 1
+        return inner(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_model
+    return count
+
+
+def _reset_suffix(llm, sequences: list) -> dict:
+    """Empty the `suffix` method's cache of responses, then cache each (prompt, answer) the way the proposer
+    does for a request it serves: its prompt as the request's own tree, its answer into the shared tree."""
+    cache = getattr(_drafter(llm), "suffix_cache", None)
+    if cache is None:
+        raise GooseError("reset: this engine has no suffix cache (only vLLM's `suffix` method has one)")
+    for req in list(cache.cached_requests):
+        cache.evict_cached_response(req)
+    for i, (prompt, answer) in enumerate(sequences):
+        req = f"goose-fill-{i}"
+        cache.start_request(req, prompt)
+        cache.add_active_response(req, answer)
+        cache.stop_request(req)
+    return {"cached": len(cache.cached_requests)}
 
 
 def run_interleaved(methods: list[str], model: str, prompts: list[list[int]], max_new_tokens: int,
@@ -326,16 +376,201 @@ def render(table: dict, meta: dict) -> str:
     return "\n".join(lines)
 
 
-def cmd_bench_vllm(args, questions, argv: list[str]) -> int:
-    """`goose bench --engine vllm`: every method on the same prompts, one worker process each."""
-    from ..loading.model import model_dir  # noqa: PLC0415
+# -- sessions (multi-turn workloads, suffix memory modes) ------------------------------------------------------
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in SPEC_CONFIGS]
-    if bad:
-        raise GooseError(f"unknown vLLM method '{bad[0]}'; choose from: {', '.join(METHODS)}")
+MEMORY_METHODS = ("suffix",)  # the vLLM method whose cache of earlier responses the memory modes set
+DECODER = "decoder/"  # rows of goose's own Decoder run in this process: decoder/ar, decoder/goose@warm, ...
+
+
+def session_prompter(model: str, chat: bool):
+    """goose bench's Prompter on `model`'s tokenizer (the same turn token ids as `goose bench`)."""
+    from transformers import AutoTokenizer, GenerationConfig  # noqa: PLC0415
+
+    from .runner import Prompter  # noqa: PLC0415
+
+    tok = AutoTokenizer.from_pretrained(model)
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:
+        eos = None
+    eos = tok.eos_token_id if eos is None else eos
+    return Prompter(tok, None, chat, eos={int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])
+                                          if e is not None})
+
+
+class _DecoderEngine:
+    """goose's own Decoder (`goose.bench.engines.GooseEngine`) behind the Worker interface, in this process."""
+
+    def __init__(self, model, tok, method: str, memory_mb: float) -> None:
+        from .engines import make_engine  # noqa: PLC0415
+
+        self.engine = make_engine(model, tok, method, memory_mb=memory_mb)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> dict:
+        out, stats = self.engine.generate(prompts[0], max_new_tokens)
+        return {"token_ids": [out], "seconds": stats["wall_time_s"], "steps": stats["forward_calls"],
+                "memory_accepted": (stats.get("accepted") or {}).get("memory", 0)}
+
+    def reset(self, sequences: list) -> dict:
+        self.engine.reset([list(p) + list(a) for p, a in sequences])
+        return {}
+
+
+def run_sessions(methods: list[str], model: str, questions, chat: bool, max_new_tokens: int, threads: int = 2,
+                 log=None, memory_mb: float = 64) -> dict:
+    """Every method on every session, turn after turn with its own answers in the context.
+
+    Pass 1: the references (vLLM `plain`, and goose's `decoder/ar` when decoder rows are asked for) answer
+    every session; their answers are what the memory modes hold. Pass 2: every method, references again
+    (their times), session by session in rotated order. A `@cold`, `@earlier` or `@warm` method starts each
+    session with its memory (vLLM `suffix`'s cache of responses; the Decoder's suffix memory) emptied and
+    filled with nothing, the earlier sessions or every other session, each turn's prompt and answer.
+    Returns {"turns": {method: {question_id: [turn, ...]}}, "reference": {...}}; a turn is
+    {"prompt_tokens", "token_ids", "seconds", "steps", "memory_accepted"}."""
+    from .methods import split  # noqa: PLC0415
+
+    say = log or (lambda msg: None)
+    prompter = session_prompter(model, chat)
+    vllm_methods = [m for m in methods if not m.startswith(DECODER)]
+    decoder_methods = [m for m in methods if m.startswith(DECODER)]
+    refs = ["plain"] + ([DECODER + "ar"] if decoder_methods else [])
+    engines: dict = {}
+    if decoder_methods:
+        from ..loading.model import load_model  # noqa: PLC0415
+
+        dmodel, dtok = load_model(model)
+        for m in decoder_methods:
+            engines[m] = _DecoderEngine(dmodel, dtok, m[len(DECODER):], memory_mb)
+
+    def session(m: str, q, fill: list | None) -> list[dict]:
+        engine = engines[m]
+        reset = engine.reset(fill) if fill is not None else None
+        answers, turns = [], []
+        for t in range(len(q.turns)):
+            ids = prompter.turn_ids(q, t, answers)
+            r = engine.generate([ids], max_new_tokens)
+            answers.append(r["token_ids"][0])
+            turns.append({"prompt": ids, "prompt_tokens": len(ids), "token_ids": r["token_ids"][0],
+                          "seconds": r["seconds"], "steps": r.get("steps"),
+                          "memory_accepted": r.get("memory_accepted")})
+        if reset is not None:
+            turns[0]["reset"] = reset  # what the memory held when the session started (vLLM: cached responses)
+        return turns
+
+    def fill(m: str, i: int, reference: dict) -> list | None:
+        mode = split(m)[1]
+        if mode is None:
+            return None
+        if mode == "cold":
+            return []
+        others = questions[:i] if mode == "earlier" else questions[:i] + questions[i + 1:]
+        ref = reference[DECODER + "ar" if m.startswith(DECODER) else "plain"]
+        return [(t["prompt"], t["token_ids"]) for p in others for t in ref[p.question_id]]
+
+    max_len = 8192
+    turns: dict = {m: {} for m in methods}
+    reference: dict = {r: {} for r in refs}
+    with _engines(vllm_methods, model, max_len, 1, threads, say) as workers:
+        engines.update(workers)
+        for i, q in enumerate(questions):
+            for r in refs:
+                reference[r][q.question_id] = session(r, q, None)
+            say(f"references: session {i + 1}/{len(questions)}")
+        for i, q in enumerate(questions):
+            order = methods[i % len(methods):] + methods[: i % len(methods)]
+            for m in order:
+                turns[m][q.question_id] = session(m, q, fill(m, i, reference))
+            say(f"session {i + 1}/{len(questions)}")
+    for tab in (turns, reference):
+        for per_q in tab.values():
+            for ts in per_q.values():
+                for t in ts:
+                    t.pop("prompt")
+    return {"turns": turns, "reference": reference}
+
+
+def session_table(result: dict, questions) -> dict:
+    """{category (and "all"): {method: tokens, seconds, tok_s, tau, memory share, identical turns, vs plain}}:
+    vLLM methods are checked against vLLM plain's pass-1 answers, decoder rows against decoder/ar's."""
+    cats = list(dict.fromkeys(q.category for q in questions)) + ["all"]
+    table: dict = {}
+    for c in cats:
+        qs = [q for q in questions if c == "all" or q.category == c]
+        rows = {}
+        for m, per_q in result["turns"].items():
+            ref = result["reference"][DECODER + "ar" if m.startswith(DECODER) else "plain"]
+            ts = [t for q in qs for t in per_q[q.question_id]]
+            refs = [t for q in qs for t in ref[q.question_id]]
+            tokens, secs = sum(len(t["token_ids"]) for t in ts), sum(t["seconds"] for t in ts)
+            steps = None if any(t["steps"] is None for t in ts) else sum(t["steps"] for t in ts)
+            mem = None if any(t["memory_accepted"] is None for t in ts) else sum(t["memory_accepted"] for t in ts)
+            rows[m] = {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs if secs else None,
+                       "tau": tokens / steps if steps else None, "from_memory": mem / tokens if mem is not None
+                       and tokens else None, "identical": sum(a["token_ids"] == b["token_ids"]
+                                                              for a, b in zip(ts, refs)), "turns": len(ts)}
+        for m, r in rows.items():
+            base = rows.get(DECODER + "ar" if m.startswith(DECODER) else "plain")
+            r["vs_ref"] = r["tok_s"] / base["tok_s"] if base and base["tok_s"] and r["tok_s"] else None
+            r["vs_plain"] = r["tok_s"] / rows["plain"]["tok_s"] if rows["plain"]["tok_s"] and r["tok_s"] else None
+        if DECODER + "ar" in result["reference"]:  # do the two engines agree? (same turn ids for both)
+            a = [t for q in qs for t in result["reference"][DECODER + "ar"][q.question_id]]
+            b = [t for q in qs for t in result["reference"]["plain"][q.question_id]]
+            rows[DECODER + "ar"]["same_as_vllm_plain"] = sum(x["token_ids"] == y["token_ids"] for x, y in zip(a, b))
+        table[c] = rows
+    return table
+
+
+def render_sessions(table: dict, meta: dict) -> str:
+    def f(v, spec):
+        return "–" if v is None else spec.format(v)
+
+    lines = [f"# Sessions: vLLM {'and goose ' if meta.get('decoder') else ''}side by side ({meta['cpu']}, "
+             f"{meta['threads']} threads)", "",
+             f"vLLM {meta['vllm']}, model `{meta['model']}` float32, {meta['sessions']} sessions "
+             f"({meta['dataset']}), max_new_tokens {meta['max_new_tokens']} per turn, greedy, "
+             f"{'chat template' if meta['chat'] else 'raw prompts'}, batch 1. Each turn's context holds the "
+             "method's own earlier answers. `@cold` / `@earlier` / `@warm`: the memory (vLLM `suffix`'s cache of "
+             "responses; goose's suffix memory) starts each session empty / holding the earlier sessions / every "
+             "other session. τ = tokens per target forward (prefill included); vs ref = tokens/s against vLLM "
+             "`plain` (vLLM rows) or goose's `decoder/ar` (decoder rows), all in this one run, methods taking "
+             "turns session by session; identical = turns token-identical to that reference.", ""]
+    for c, rows in table.items():
+        lines += [f"## {c}", "", "| method | tokens | s | tok/s | τ | vs ref | vs vLLM plain | from memory | "
+                  "identical |", "|---|---|---|---|---|---|---|---|---|"]
+        for m, r in rows.items():
+            lines.append(f"| {m} | {r['tokens']} | {r['seconds']:.1f} | {f(r['tok_s'], '{:.1f}')} | "
+                         f"{f(r['tau'], '{:.2f}')} | {f(r['vs_ref'], '{:.2f}x')} | {f(r['vs_plain'], '{:.2f}x')} | "
+                         f"{f(r['from_memory'], '{:.1%}')} | {r['identical']}/{r['turns']} |")
+        same = rows.get(DECODER + "ar", {}).get("same_as_vllm_plain")
+        if same is not None:
+            lines += ["", f"goose's `decoder/ar` and vLLM `plain` gave the same tokens on {same} of "
+                          f"{rows[DECODER + 'ar']['turns']} turns."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def cmd_bench_vllm(args, questions, argv: list[str]) -> int:
+    """`goose bench --engine vllm`: every method on the same prompts, one worker process each; sessions
+    (multi-turn questions, or --memory) turn after turn (`run_sessions`)."""
+    from ..loading.model import model_dir  # noqa: PLC0415
+    from .methods import MEMORY_MODES, parse_memory, split, with_memory  # noqa: PLC0415
+
+    modes = parse_memory(getattr(args, "memory", None))
+    sessions = bool(modes) or any(len(q.turns) > 1 for q in questions) or getattr(args, "with_decoder", False)
+    if sessions and args.methods == VLLM_METHODS:
+        args.methods = "plain,suffix"
+    methods = with_memory([m.strip() for m in args.methods.split(",") if m.strip()], modes, MEMORY_METHODS)
+    for m in methods:
+        base, mode = split(m)
+        if base not in SPEC_CONFIGS:
+            raise GooseError(f"unknown vLLM method '{base}'; choose from: {', '.join(METHODS)}")
+        if mode is not None and (base not in MEMORY_METHODS or mode not in MEMORY_MODES):
+            raise GooseError(f"'{m}': memory modes ({', '.join(MEMORY_MODES)}) apply to vLLM's "
+                             f"{', '.join(MEMORY_METHODS)} only")
     if "plain" not in methods:
         methods = ["plain"] + methods  # the reference of the lossless column and the ratios
+    if getattr(args, "with_decoder", False):
+        methods += [DECODER + m for m in ["ar", "goose"] + [f"goose@{mode}" for mode in modes]]
     import importlib.util  # noqa: PLC0415
 
     if importlib.util.find_spec("vllm") is None:
@@ -345,15 +580,43 @@ def cmd_bench_vllm(args, questions, argv: list[str]) -> int:
     if reason:
         raise GooseError(reason)
     model = str(model_dir(args.model)) if not Path(args.model).expanduser().is_dir() else args.model
-    prompts = prompt_ids(model, questions, args.chat)
-    concurrency = sorted({1, getattr(args, "concurrency", None) or 1})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     threads = args.threads or 2
-    results = run_interleaved(methods, model, prompts, args.max_new_tokens, concurrency, threads,
-                              log=lambda msg: print(f"bench: {msg}", file=sys.stderr))
+    say = lambda msg: print(f"bench: {msg}", file=sys.stderr)  # noqa: E731
     import vllm  # noqa: PLC0415
 
+    if sessions:
+        if getattr(args, "concurrency", None):
+            raise GooseError("--engine vllm runs sessions at batch 1; drop --concurrency")
+        if "goose" in methods:
+            raise GooseError("sessions: vLLM's GooseProposer ('goose') has no memory modes; run goose's own "
+                             "Decoder beside vLLM with --with-decoder instead")
+        if methods.count("plain") > 1:
+            methods = list(dict.fromkeys(methods))
+        if any(m.startswith(DECODER) for m in methods):
+            import torch  # noqa: PLC0415
+
+            torch.set_num_threads(threads)  # goose's Decoder in this process, as many threads as a vLLM worker
+        result = run_sessions(methods, model, questions, args.chat, args.max_new_tokens, threads, say,
+                              getattr(args, "memory_mb", 64))
+        meta = {"cpu": cpu_model(), "threads": threads, "vllm": vllm.__version__, "model": args.model,
+                "sessions": len(questions), "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
+                "methods": methods, "chat": args.chat, "argv": argv,
+                "decoder": any(m.startswith(DECODER) for m in methods)}
+        table = session_table(result, questions)
+        (out / "sessions.json").write_text(json.dumps({"meta": meta, "table": table, **result}))
+        text = render_sessions(table, meta)
+        (out / "report.md").write_text(text, encoding="utf-8")
+        print(text)
+        bad = [m for m, r in table["all"].items() if r["identical"] != r["turns"]]
+        if bad:
+            print(f"goose: turns differ from their reference: {bad}", file=sys.stderr)
+            return 1
+        return 0
+    prompts = prompt_ids(model, questions, args.chat)
+    concurrency = sorted({1, getattr(args, "concurrency", None) or 1})
+    results = run_interleaved(methods, model, prompts, args.max_new_tokens, concurrency, threads, log=say)
     meta = {"cpu": cpu_model(), "threads": threads, "vllm": vllm.__version__, "model": args.model,
             "prompts": len(prompts), "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
             "methods": methods, "chat": args.chat, "argv": argv}
