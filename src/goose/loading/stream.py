@@ -25,9 +25,10 @@ def stream_load(path: Path, attn_implementation: str, prepare: Callable[[nn.Modu
     not hold every tensor the model needs, naming them."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.initialization import no_init_weights
 
     cfg = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
+    with torch.device("meta"), no_init_weights():  # (every tensor is read below: initialising them is waste)
         net = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
     if prepare is not None:
         prepare(net)
