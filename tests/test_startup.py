@@ -260,15 +260,19 @@ def test_first_load_on_blocks_writes_no_float32_copy_and_says_each_step(tmp_path
 
 
 @needs_quant
-@pytest.mark.parametrize("quant_fmt", [None, "Q8_0"])
-def test_small_folder_equals_what_transformers_makes_from_the_file(tmp_path, fresh_cache, quant_fmt):
+@pytest.mark.parametrize("quant_fmt,tied", [(None, False), ("Q8_0", False), ("Q8_0", True), ("Q4_1", True)])
+def test_small_folder_equals_what_transformers_makes_from_the_file(tmp_path, fresh_cache, quant_fmt, tied):
     """config, generation config and tokenizer files byte for byte, and every small tensor bit for bit, as
     in the float32 folder transformers' GGUF loader writes (`model_dir`); the config dict as its legacy
-    parser gives it."""
+    parser gives it; the logits on the blocks as on transformers' float32 model (tied heads included)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    src = write_tiny_gguf(tmp_path / "tiny.gguf", quant=quant_fmt)
-    loading.load_model(str(src), weights="gguf")
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", quant=quant_fmt, tied=tied)
+    blocks, _ = loading.load_model(str(src), weights="gguf")
+    assert (blocks.lm_head.weight is blocks.model.embed_tokens.weight) == tied
+    plain, _ = loading.load_model(str(src), weights="float32", pack=False)  # Hugging Face's own modules
+    assert torch.allclose(_logits(blocks), _logits(plain), atol=1e-4)  # (PyTorch sums in another order)
+    assert torch.equal(_logits(blocks), _logits(loading.load_model(str(src), weights="float32")[0]))
     folder = _blocks_folder(tmp_path / "cache")
     full = loading.model_dir(str(src))
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
