@@ -378,3 +378,15 @@ def test_two_processes_racing_on_a_fresh_cache_both_load_one_valid_folder(tmp_pa
     models = cache / "goose" / "models"
     assert not [p for p in models.rglob("*") if ".tmp-" in p.name]
     assert len(list((models / gguf_file.PANEL_DIR).glob("*.bin"))) == 1
+
+
+def test_an_unreadable_gguf_is_one_error_without_a_fallback(tmp_path, fresh_cache, capsys):
+    from goose.errors import GooseError
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 10)
+    with pytest.raises(GooseError, match="cannot read GGUF"):
+        loading.load_model(str(bad))
+    err = capsys.readouterr().err
+    assert "using float32 weights" not in err and "dequantizing" not in err
+    assert not (tmp_path / "cache" / "goose" / "models" / gguf_folder.BLOCKS_DIR / "broken").exists()

@@ -297,10 +297,14 @@ def load_gguf_model(path: Path | None, source: Path | None, weights: str | None,
     (the caller loads them from the dequantized copy). The model is built on the meta device, so float32
     projections are never materialised. An explicit "gguf" that cannot be honoured raises. `path` (the model's
     float32 folder, where the caller has one) is not read: the blocks' own folder holds what they need."""
+    from .gguf_folder import UnreadableGGUF
+
     src, why = _resolve(source, weights, dtype, device)
     if src is not None:
         try:
             return _meta_load(src, attn_implementation)
+        except UnreadableGGUF:
+            raise  # (float32 weights would not be read from it either)
         except GooseError as exc:
             if weights == "gguf":
                 raise

@@ -117,6 +117,10 @@ def blocks_dir(gguf: Path, digest: str) -> Path:
     return target
 
 
+class UnreadableGGUF(GooseError):
+    """The file is not a GGUF file goose can read (no loader would read it either)."""
+
+
 def _metadata(gguf: Path) -> tuple[dict, tuple]:
     """The file's metadata (arrays of strings as their length) and tensor names, as transformers reads them."""
     from transformers.integrations.gguf import read_gguf_metadata
@@ -124,7 +128,7 @@ def _metadata(gguf: Path) -> tuple[dict, tuple]:
     try:
         return read_gguf_metadata(str(gguf))
     except (OSError, ValueError, KeyError, struct.error) as exc:
-        raise GooseError(f"cannot read GGUF file {gguf}: {exc}") from exc
+        raise UnreadableGGUF(f"cannot read GGUF file {gguf}: {exc}") from exc
 
 
 def build(gguf: Path, out: Path, cfg_dict: dict | None = None) -> None:

@@ -248,19 +248,21 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     dt, dev = resolve_dtype(dtype), resolve_device(device)
     # (started first: a first run compiles the kernels while transformers is imported and the file is read)
     builds = _prebuild_kernels() if dt == torch.float32 and dev.type == "cpu" else []
-    from ..backends.forward import SUPPORTED_ATTENTION
-    from ..backends.lean import ARITHS
+    try:
+        from ..backends.forward import SUPPORTED_ATTENTION
+        from ..backends.lean import ARITHS
 
-    if attn_implementation not in SUPPORTED_ATTENTION:
-        raise GooseError(f"attention implementation '{attn_implementation}' ignores custom tree masks; "
-                         f"use one of {', '.join(SUPPORTED_ATTENTION)}")
-    if arith not in ARITHS:
-        raise GooseError(f"unknown arith '{arith}'; choose one of: {', '.join(ARITHS)}")
-    if arith == "int8" and weights == "float32":
-        raise GooseError(_INT8_NEEDS_BLOCKS)
-    net, tok = _load(model, dt, dev, attn_implementation, weights, pack)
-    for b in builds:  # (done by now: the load asked for the kernels)
-        b.join()
+        if attn_implementation not in SUPPORTED_ATTENTION:
+            raise GooseError(f"attention implementation '{attn_implementation}' ignores custom tree masks; "
+                             f"use one of {', '.join(SUPPORTED_ATTENTION)}")
+        if arith not in ARITHS:
+            raise GooseError(f"unknown arith '{arith}'; choose one of: {', '.join(ARITHS)}")
+        if arith == "int8" and weights == "float32":
+            raise GooseError(_INT8_NEEDS_BLOCKS)
+        net, tok = _load(model, dt, dev, attn_implementation, weights, pack)
+    finally:  # (no compiler left running behind an error: the kernels are kept for the next run)
+        for b in builds:
+            b.join()
     net.to(dev).eval()
     if pack:
         _pack_rest(net)
