@@ -1,18 +1,28 @@
 """What keeps start-up short: the packed GGUF panels kept on disk (`goose.loading.gguf.cached_gguf_weights`)
 give the weights and logits a fresh pack gives, are rebuilt when damaged and never served for other file
-content; a cost-curve measurement stops in bounded time and never caches a disturbed curve."""
+content; a first load on GGUF blocks writes only a small folder (config, tokenizer, norms:
+`goose.loading.gguf_folder`) identical to what transformers makes from the file, says each first-run step in
+one line and nothing on a warm load, rebuilds a damaged folder and survives two processes racing; a cost-curve
+measurement stops in bounded time and never caches a disturbed curve."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from goose.backends import cpukernel, quant
 from goose.engine import measure as costmodel
 from goose.loading import gguf as gguf_file
+from goose.loading import gguf_folder
+from goose.loading import model as loading
 from goose.selection.costmodel import CostCurve
 from tiny_gguf import write_tiny_gguf
 
@@ -206,3 +216,177 @@ def test_disturbed_measurement_is_bounded_and_never_cached(tmp_path, budget, cap
 def test_a_gguf_without_quantized_tensors_keeps_no_panel_file(tmp_path, fresh_cache):
     model = _load(write_tiny_gguf(tmp_path / "tiny.gguf"))  # float32 tensors only
     assert _weights(model) == {} and not list(fresh_cache.glob("*.bin"))
+
+
+# ---- the first run: a small folder from one read of the GGUF ---------------------------------------------
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _blocks_folder(cache: Path) -> Path:
+    folders = [p for p in (cache / "goose" / "models" / gguf_folder.BLOCKS_DIR).iterdir()
+               if p.is_dir() and ".tmp-" not in p.name]
+    assert len(folders) == 1, folders
+    return folders[0]
+
+
+def _goose_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("goose: ")]
+
+
+@needs_quant
+@pytest.mark.parametrize("quant_fmt", ["Q8_0", "Q4_0"])
+def test_first_load_on_blocks_writes_no_float32_copy_and_says_each_step(tmp_path, fresh_cache, monkeypatch,
+                                                                        capsys, quant_fmt):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", quant=quant_fmt)
+    monkeypatch.setattr(loading, "_dequantize", lambda *a: pytest.fail("a float32 copy was written"))
+    capsys.readouterr()
+    first, tok = loading.load_model(str(src))
+    steps = _goose_lines(capsys.readouterr().err)
+    assert [next(w for w in ("hashing", "config, tokenizer and norms", "packing its blocks") if w in line)
+            for line in steps] == ["hashing", "config, tokenizer and norms", "packing its blocks"], steps
+    cache = tmp_path / "cache"
+    tensors = sorted(p.relative_to(cache) for p in cache.rglob("*.safetensors"))
+    folder = _blocks_folder(cache)
+    assert tensors == [(folder / gguf_folder.SMALL_FILE).relative_to(cache)]  # no float32 model anywhere
+    with safe_open(str(folder / gguf_folder.SMALL_FILE), framework="pt") as st:
+        shapes = {k: st.get_slice(k).get_shape() for k in st.keys()}
+    assert shapes and all(len(s) == 1 for s in shapes.values())  # the norms only: the matrices stay blocks
+    assert len(shapes) == 2 * 2 + 1  # two per layer and the final norm
+    warm, _ = loading.load_model(str(src))
+    assert _goose_lines(capsys.readouterr().err) == []  # a warm load is silent
+    assert torch.equal(_logits(first), _logits(warm))
+    assert tok("abc").input_ids == loading.load_model(str(src))[1]("abc").input_ids
+
+
+@needs_quant
+@pytest.mark.parametrize("quant_fmt,tied", [(None, False), ("Q8_0", False), ("Q8_0", True), ("Q4_1", True)])
+def test_small_folder_equals_what_transformers_makes_from_the_file(tmp_path, fresh_cache, quant_fmt, tied):
+    """config, generation config and tokenizer files byte for byte, and every small tensor bit for bit, as
+    in the float32 folder transformers' GGUF loader writes (`model_dir`); the config dict as its legacy
+    parser gives it; the logits on the blocks as on transformers' float32 model (tied heads included)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", quant=quant_fmt, tied=tied)
+    blocks, _ = loading.load_model(str(src), weights="gguf")
+    assert (blocks.lm_head.weight is blocks.model.embed_tokens.weight) == tied
+    plain, _ = loading.load_model(str(src), weights="float32", pack=False)  # Hugging Face's own modules
+    assert torch.allclose(_logits(blocks), _logits(plain), atol=1e-4)  # (PyTorch sums in another order)
+    assert torch.equal(_logits(blocks), _logits(loading.load_model(str(src), weights="float32")[0]))
+    folder = _blocks_folder(tmp_path / "cache")
+    full = loading.model_dir(str(src))
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).read_bytes() == (full / name).read_bytes(), name
+    with safe_open(str(folder / gguf_folder.SMALL_FILE), framework="pt") as small, \
+            safe_open(str(next(full.glob("*.safetensors"))), framework="pt") as ref:
+        keys = set(small.keys())
+        assert keys and keys <= set(ref.keys())
+        assert all(torch.equal(small.get_tensor(k), ref.get_tensor(k)) for k in keys)
+    meta, names = gguf_folder._metadata(src)
+    assert gguf_folder.gguf_config(meta, names) == load_gguf_checkpoint(str(src), return_tensors=False)["config"]
+    if quant_fmt is None:  # float32 matrices have no kernel: they are the folder's too, q/k in HF's row order
+        assert "model.layers.0.self_attn.q_proj.weight" in keys and "lm_head.weight" in keys
+
+
+@pytest.mark.slow
+@needs_quant
+def test_packaged_model_small_folder_equals_transformers(tmp_path, monkeypatch):
+    from goose.loading.packaged import DEFAULT_MODEL
+
+    full = loading.model_dir(DEFAULT_MODEL)  # the float32 folder transformers wrote (the usual cache)
+    quant.kernels(), cpukernel.kernel()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    gguf = loading.gguf_source(DEFAULT_MODEL)
+    folder = gguf_folder.blocks_dir(gguf, loading.file_sha256(gguf))
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):
+        assert (folder / name).read_bytes() == (full / name).read_bytes(), name
+    with safe_open(str(folder / gguf_folder.SMALL_FILE), framework="pt") as small, \
+            safe_open(str(next(full.glob("*.safetensors"))), framework="pt") as ref:
+        keys = set(small.keys())
+        assert len(keys) == 2 * 30 + 1 and all(torch.equal(small.get_tensor(k), ref.get_tensor(k)) for k in keys)
+
+
+@needs_quant
+@pytest.mark.parametrize("damage", ["truncate-tensors", "no-record", "bad-config", "other-record", "empty-dir"])
+def test_a_damaged_small_folder_is_rebuilt(tmp_path, fresh_cache, damage, capsys):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", quant="Q8_0")
+    want = _logits(loading.load_model(str(src))[0])
+    folder = _blocks_folder(tmp_path / "cache")
+    good = {p.name: p.read_bytes() for p in folder.iterdir()}
+    if damage == "truncate-tensors":
+        small = folder / gguf_folder.SMALL_FILE
+        small.write_bytes(small.read_bytes()[:-40])
+    elif damage == "no-record":
+        (folder / gguf_folder.RECORD).unlink()
+    elif damage == "bad-config":
+        (folder / "config.json").write_text("{")
+    elif damage == "other-record":
+        record = json.loads((folder / gguf_folder.RECORD).read_text())
+        record["key"] = "something-else"
+        (folder / gguf_folder.RECORD).write_text(json.dumps(record))
+    else:
+        for p in folder.iterdir():
+            p.unlink()
+    capsys.readouterr()
+    assert torch.equal(_logits(loading.load_model(str(src))[0]), want)
+    assert "config, tokenizer and norms" in capsys.readouterr().err  # built again, and said so
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == good
+
+
+@needs_quant
+def test_a_stale_partial_folder_is_cleaned_and_not_used(tmp_path, fresh_cache):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", quant="Q8_0")
+    blocks = tmp_path / "cache" / "goose" / "models" / gguf_folder.BLOCKS_DIR
+    key = gguf_folder.folder_key(src, loading.file_sha256(src))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    partial = blocks / f".{key}.tmp-{dead}-abcd1234"  # a build killed half-way
+    partial.mkdir(parents=True)
+    (partial / "config.json").write_text("{}")
+    loading.load_model(str(src))
+    assert not partial.exists() and _blocks_folder(tmp_path / "cache").name == key
+
+
+_RACER = """
+import sys, torch
+from goose.loading.model import load_model
+model, tok = load_model(sys.argv[1])
+with torch.inference_mode():
+    print(model(torch.tensor([[1, 5, 9, 13, 40, 2]])).logits.sum().item())
+"""
+
+
+@needs_quant
+def test_two_processes_racing_on_a_fresh_cache_both_load_one_valid_folder(tmp_path, fresh_cache):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", quant="Q8_0")
+    cache = tmp_path / "cache"
+    kernels = cache / "goose" / "kernels"  # (the compiled kernels copied in: only the model's files race)
+    kernels.mkdir(parents=True)
+    for lib in (quant.kernels().path, cpukernel.kernel().path):
+        shutil.copy2(lib, kernels / Path(lib).name)
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(SRC)}
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(src)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    assert outs[0][0] == outs[1][0]  # the same logits
+    folder = _blocks_folder(cache)
+    assert gguf_folder.valid(folder, folder.name)
+    builds = sum("config, tokenizer and norms" in e for _, e in outs)
+    assert builds == 1  # one built it; the other waited for the lock and used it
+    models = cache / "goose" / "models"
+    assert not [p for p in models.rglob("*") if ".tmp-" in p.name]
+    assert len(list((models / gguf_file.PANEL_DIR).glob("*.bin"))) == 1
+
+
+def test_an_unreadable_gguf_is_one_error_without_a_fallback(tmp_path, fresh_cache, capsys):
+    from goose.errors import GooseError
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 10)
+    with pytest.raises(GooseError, match="cannot read GGUF"):
+        loading.load_model(str(bad))
+    err = capsys.readouterr().err
+    assert "using float32 weights" not in err and "dequantizing" not in err
+    assert not (tmp_path / "cache" / "goose" / "models" / gguf_folder.BLOCKS_DIR / "broken").exists()

@@ -16,9 +16,10 @@ def vocabulary() -> list[str]:
     return words[:64] + [f"<extra{i}>" for i in range(64 - len(words[:64]))]
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, quant: str | None = None) -> Path:
+def write_tiny_gguf(path: Path, seed: int = 0, quant: str | None = None, tied: bool = False) -> Path:
     """Write a tiny random Llama GGUF (float32 tensors) to `path`; another `seed` gives other weights of
-    the same shapes and byte size. `quant` (a GGML type name such as "Q8_0"): its matrices in that format."""
+    the same shapes and byte size. `quant` (a GGML type name such as "Q8_0"): its matrices in that format.
+    `tied`: no output.weight, so the output head is the token embedding."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -63,7 +64,8 @@ def write_tiny_gguf(path: Path, seed: int = 0, quant: str | None = None) -> Path
         w.add_tensor(b + "attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
         w.add_tensor(b + "ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    t("output.weight", len(vocab), HIDDEN)
+    if not tied:
+        t("output.weight", len(vocab), HIDDEN)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

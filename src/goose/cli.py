@@ -60,7 +60,6 @@ def _read_prompt(args) -> str:
 
 
 def cmd_generate(args) -> int:
-    from .decoding import Decoder
     from .loading.model import load_model
 
     prompt = _read_prompt(args)
@@ -72,6 +71,8 @@ def cmd_generate(args) -> int:
         raise GooseError("--verify compares the finished tokens with ar; it cannot be combined with --stream")
     options = sampling_options(args)
     model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=args.arith)
+    from .decoding import Decoder  # (after the load: a first run compiles kernels while transformers imports)
+
     dec = Decoder(model, tok, args.method)
     ids = dec.encode(prompt, chat=args.chat)
     if args.stream:

@@ -20,9 +20,18 @@ from torch import nn
 
 from .. import cachefs
 from ..backends.packed import PackedEmbedding, PackedLinear, fuse_layers
-from ..backends.quant import FORMATS, PANEL, QuantKernels, QuantWeight, kernels_or_none, unavailable_reason
+from ..backends.quant import (
+    FORMATS,
+    PANEL,
+    QuantKernels,
+    QuantWeight,
+    kernels_or_none,
+    runnable_variants,
+    unavailable_reason,
+)
 from ..errors import GooseError
 from ..paths import cache_root
+from ..progress import note
 from .stream import stream_load
 
 # ---- GGUF -> model --------------------------------------------------------------------------------------
@@ -250,8 +259,10 @@ WEIGHTS = ("gguf", "float32")
 
 def _resolve(src: Path | None, weights: str | None, dtype: torch.dtype,
              device: torch.device) -> tuple[Path | None, str | None]:
-    """(the GGUF file, None) when `weights` resolves to GGUF blocks; (None, why not) otherwise (why: None when
-    nothing needs saying). `src`: the model's single GGUF file (`model.gguf_source`), or None."""
+    """(the GGUF file, None) when `weights` may resolve to GGUF blocks; (None, why not) otherwise (why: None when
+    nothing needs saying). `src`: the model's single GGUF file (`model.gguf_source`), or None. Whether the
+    kernels load here is asked later (`_kernels_here`), so that their first compiling overlaps the file's
+    first reading."""
     if weights not in (None, *WEIGHTS):
         raise GooseError(f"unknown weights '{weights}'; choose one of: {', '.join(WEIGHTS)}")
     if weights == "float32":
@@ -260,7 +271,7 @@ def _resolve(src: Path | None, weights: str | None, dtype: torch.dtype,
         why = "the model is not a single GGUF file (a .gguf path or smollm2-135m)"
     elif dtype != torch.float32 or device.type != "cpu":
         why = "GGUF blocks run in float32 on the CPU only"
-    elif kernels_or_none() is None:
+    elif not runnable_variants():
         why = f"goose's quantized kernels cannot run here ({unavailable_reason()})"
     else:
         return src, None
@@ -269,20 +280,31 @@ def _resolve(src: Path | None, weights: str | None, dtype: torch.dtype,
     return None, (why if src is not None else None)
 
 
-def load_gguf_model(path: Path, source: Path | None, weights: str | None, dtype: torch.dtype, device: torch.device,
-                    attn_implementation: str):
+def _kernels_here() -> str | None:
+    if kernels_or_none() is not None:
+        return None
+    return f"goose's quantized kernels cannot run here ({unavailable_reason()})"
+
+
+def load_gguf_model(path: Path | None, source: Path | None, weights: str | None, dtype: torch.dtype,
+                    device: torch.device, attn_implementation: str):
     """`load_model`'s ``weights``: "gguf" (the GGUF blocks, `use_gguf_weights`), "float32" (the dequantized
     weights), or None: "gguf" where it applies (a single-file GGUF source of a supported architecture, float32
     on CPU, the kernels available here), else float32 with a one-line notice for a GGUF source.
 
-    Returns the model with its blocks in place, or None when the weights are to be float32 (the caller loads
-    them). The model is built on the meta device and only its small float32 tensors (norms, biases, anything
-    the file does not hold in a supported format) are read from the dequantized copy in `path`, so the
-    float32 projections are never materialised. An explicit "gguf" that cannot be honoured raises."""
+    Returns ``(model, folder)``: the model with its blocks in place and the small folder holding its config,
+    tokenizer and float32 tensors (`goose.loading.gguf_folder`); or None when the weights are to be float32
+    (the caller loads them from the dequantized copy). The model is built on the meta device, so float32
+    projections are never materialised. An explicit "gguf" that cannot be honoured raises. `path` (the model's
+    float32 folder, where the caller has one) is not read: the blocks' own folder holds what they need."""
+    from .gguf_folder import UnreadableGGUF
+
     src, why = _resolve(source, weights, dtype, device)
     if src is not None:
         try:
-            return _meta_load(path, src, attn_implementation)
+            return _meta_load(src, attn_implementation)
+        except UnreadableGGUF:
+            raise  # (float32 weights would not be read from it either)
         except GooseError as exc:
             if weights == "gguf":
                 raise
@@ -292,13 +314,21 @@ def load_gguf_model(path: Path, source: Path | None, weights: str | None, dtype:
     return None
 
 
-def _meta_load(path: Path, gguf: Path, attn_implementation: str):
-    from transformers import AutoConfig
+def _meta_load(gguf: Path, attn_implementation: str):
+    from .gguf_folder import blocks_dir
+    from .model import file_sha256
 
-    cfg = AutoConfig.from_pretrained(path)
-    if getattr(cfg, "model_type", None) not in ARCHITECTURES:
-        raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{cfg.model_type}'")
-    return stream_load(path, attn_implementation, prepare=lambda net: cached_gguf_weights(net, gguf))
+    digest = file_sha256(gguf)  # (once per file version: remembered in the cache)
+    folder = blocks_dir(gguf, digest)
+    why = _kernels_here()  # (waits for a first compiling, started by load_model)
+    if why is not None:
+        raise GooseError(why)
+    try:
+        net = stream_load(folder, attn_implementation,
+                          prepare=lambda net: cached_gguf_weights(net, gguf, digest=digest))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # damaged from outside goose
+        raise GooseError(f"cannot load the model in {folder}: {exc}") from exc
+    return net, folder
 
 
 # ---- the packed panels, kept on disk --------------------------------------------------------------------
@@ -326,23 +356,23 @@ def _code_hash(kern: QuantKernels) -> str:
     return h.hexdigest()[:12]
 
 
-def panel_cache_path(gguf: Path, kern: QuantKernels) -> Path:
-    """Where the packed panels of `gguf` are kept (named by its content's sha256, hashed once per file
-    version, `goose.loading.model.file_sha256`)."""
+def panel_cache_path(gguf: Path, kern: QuantKernels, digest: str | None = None) -> Path:
+    """Where the packed panels of `gguf` are kept (named by its content's sha256 `digest`, else hashed once per
+    file version, `goose.loading.model.file_sha256`)."""
     from .model import file_sha256
 
-    digest = file_sha256(gguf)
+    digest = digest or file_sha256(gguf)
     return cache_root() / "models" / PANEL_DIR / f"{gguf.stem}-{digest[:16]}-{_code_hash(kern)}.bin"
 
 
-def cached_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None) -> dict:
+def cached_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, digest: str | None = None) -> dict:
     """`use_gguf_weights` (without the float32 check: `model` is on the meta device), read from the panel
     cache when it holds a valid entry for this file, else packed and written there for the next load."""
     kern = kernels or kernels_or_none()
     if kern is None:
         raise GooseError(f"goose's quantized kernels cannot run here: {unavailable_reason()}")
     gguf = Path(gguf)
-    path = panel_cache_path(gguf, kern)
+    path = panel_cache_path(gguf, kern, digest)
     done = _read_panels(model, path, kern, gguf.name)
     if done is not None:
         return done
@@ -350,6 +380,7 @@ def cached_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None) 
         done = _read_panels(model, path, kern, gguf.name)  # written by another process while this one waited
         if done is not None:
             return done
+        note(f"first use of {gguf.name} here: packing its blocks into goose's panels (once per file and kernel)")
         done = use_gguf_weights(model, gguf, kern, check=False)
         if not _packed_modules(model):
             return done  # (nothing in a format with a kernel: nothing to keep)

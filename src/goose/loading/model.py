@@ -1,13 +1,14 @@
 """Loading models: a packaged one (SmolLM2-135M, the default; Gemma-3-270M), a local Hugging Face
 directory, or a GGUF file.
 
-GGUF weights are dequantized once and cached as safetensors under the user cache directory
-(``$XDG_CACHE_HOME/goose/models``, default ``~/.cache/goose/models``), so later loads take about a second.
-A GGUF file's copy is named by the sha256 of its content (hashed once per path, size and mtime, and
-recorded beside the copy in ``goose-source.json``), so two different files with one name never share a
-copy. Copies are written atomically under a lock (`cachefs`). Where the GGUF's blocks are kept
-(`weights="gguf"`), their packed panels are cached too (`goose.loading.gguf.cached_gguf_weights`), so a warm
-load packs nothing.
+Where a GGUF file's blocks are kept (`weights="gguf"`, the default where it applies), a first load writes only a
+small folder (config, tokenizer, norms: `goose.loading.gguf_folder`) and the packed panels
+(`goose.loading.gguf.cached_gguf_weights`) under the user cache directory (``$XDG_CACHE_HOME/goose/models``,
+default ``~/.cache/goose/models``), so a warm load packs and converts nothing. Loads that need float32 weights
+(``weights="float32"``, a Gemma GGUF, ...) dequantize the GGUF once into a safetensors copy there (`model_dir`).
+A GGUF file's entries are named by the sha256 of its content (hashed once per path, size and mtime, and
+recorded beside them in ``goose-source.json``), so two different files with one name never share one. Entries
+are written atomically under a lock (`cachefs`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from pathlib import Path
 import torch
 
 from .. import cachefs
-from ..backends.forward import SUPPORTED_ATTENTION
 from ..errors import GooseError
 from ..paths import cache_root, package_file  # noqa: F401  (re-exported)
 from ..progress import note
@@ -95,13 +95,8 @@ def _dequantized_dir(gguf, key: str, source: dict | None = None) -> Path:
         scratch.mkdir()
         try:
             tmp = scratch / "model"
-            builds = _prebuild_kernels()  # (compiled beside the dequantizing, on another core)
             note(f"first use of '{key}': dequantizing its GGUF weights to float32 into {target} (once)")
-            try:
-                _dequantize(gguf if isinstance(gguf, Path) else gguf(scratch), tmp)
-            finally:
-                for b in builds:
-                    b.join()
+            _dequantize(gguf if isinstance(gguf, Path) else gguf(scratch), tmp)
             (tmp / SOURCE_RECORD).write_text(json.dumps({"key": key, **(source or {})}, indent=2) + "\n",
                                              encoding="utf-8")
             cachefs.replace_dir(tmp, target)
@@ -112,8 +107,8 @@ def _dequantized_dir(gguf, key: str, source: dict | None = None) -> Path:
 
 def _prebuild_kernels() -> list:
     """Start loading goose's float32 and quantized kernels in background threads (compiled on first use, a
-    compiler process each, under the kernel cache's lock), so a first run's compiling overlaps its
-    dequantizing. Returns the threads, joined before anything else asks for the kernels."""
+    compiler process each, under the kernel cache's lock), so a first run's compiling overlaps its imports and
+    reading the model (a caller asking for a kernel meanwhile waits on that lock). Returns the threads."""
     import threading
 
     from ..backends import cpukernel, quant
@@ -250,31 +245,25 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     `goose.backends.packed.PanelPacker`; the model's `nn.Linear` modules become `PackedLinear`, so
     ``model.generate`` multiplies on goose's kernel too). False
     keeps Hugging Face's modules and kernels; goose's forward then packs a second copy of those weights."""
-    if attn_implementation not in SUPPORTED_ATTENTION:
-        raise GooseError(f"attention implementation '{attn_implementation}' ignores custom tree masks; "
-                         f"use one of {', '.join(SUPPORTED_ATTENTION)}")
-    from ..backends.lean import ARITHS
-
-    if arith not in ARITHS:
-        raise GooseError(f"unknown arith '{arith}'; choose one of: {', '.join(ARITHS)}")
-    if arith == "int8" and weights == "float32":
-        raise GooseError(_INT8_NEEDS_BLOCKS)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = model_dir(model)
-    dt = resolve_dtype(dtype)
+    dt, dev = resolve_dtype(dtype), resolve_device(device)
+    # (started first: a first run compiles the kernels while transformers is imported and the file is read)
+    builds = _prebuild_kernels() if dt == torch.float32 and dev.type == "cpu" else []
     try:
-        tok = AutoTokenizer.from_pretrained(path)
-        from .gguf import load_gguf_model  # GGUF blocks (None: float32 weights)
+        from ..backends.forward import SUPPORTED_ATTENTION
+        from ..backends.lean import ARITHS
 
-        net = load_gguf_model(path, gguf_source(model), weights, dt, resolve_device(device), attn_implementation)
-        if net is None and pack:
-            net = _load_packed(path, dt, resolve_device(device), attn_implementation)
-        if net is None:
-            net = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn_implementation)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a damaged or foreign folder
-        raise GooseError(f"cannot load the model in {path}: {one_line(exc)}") from exc
-    net.to(resolve_device(device)).eval()
+        if attn_implementation not in SUPPORTED_ATTENTION:
+            raise GooseError(f"attention implementation '{attn_implementation}' ignores custom tree masks; "
+                             f"use one of {', '.join(SUPPORTED_ATTENTION)}")
+        if arith not in ARITHS:
+            raise GooseError(f"unknown arith '{arith}'; choose one of: {', '.join(ARITHS)}")
+        if arith == "int8" and weights == "float32":
+            raise GooseError(_INT8_NEEDS_BLOCKS)
+        net, tok = _load(model, dt, dev, attn_implementation, weights, pack)
+    finally:  # (no compiler left running behind an error: the kernels are kept for the next run)
+        for b in builds:
+            b.join()
+    net.to(dev).eval()
     if pack:
         _pack_rest(net)
     if arith != "exact":
@@ -282,6 +271,32 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
         if why is not None:
             raise GooseError(why)
     net.goose_arith = arith  # read by goose.engine.requests.default_forward
+    return net, tok
+
+
+def _load(model: str, dt: torch.dtype, dev: torch.device, attn_implementation: str, weights: str | None,
+          pack: bool):
+    """(model, tokenizer): on the GGUF's blocks (from its small folder, `goose.loading.gguf_folder`) where
+    they apply, else from the float32 folder (`model_dir`, made on first use)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .gguf import load_gguf_model
+
+    on_blocks = load_gguf_model(None, gguf_source(model), weights, dt, dev, attn_implementation)
+    if on_blocks is not None:
+        net, folder = on_blocks
+        try:
+            return net, AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise GooseError(f"cannot load the tokenizer in {folder}: {one_line(exc)}") from exc
+    path = model_dir(model)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+        net = _load_packed(path, dt, dev, attn_implementation) if pack else None
+        if net is None:
+            net = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn_implementation)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a damaged or foreign folder
+        raise GooseError(f"cannot load the model in {path}: {one_line(exc)}") from exc
     return net, tok
 
 

@@ -25,10 +25,13 @@ def stream_load(path: Path, attn_implementation: str, prepare: Callable[[nn.Modu
     not hold every tensor the model needs, naming them."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers.initialization import no_init_weights
 
     cfg = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
+        with no_init_weights():  # (every tensor is read below: initialising them is waste)
+            net = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_implementation)
+        net.init_weights()  # (on the meta device this only ties the weights, as building the model would)
     if prepare is not None:
         prepare(net)
     shapes = {n: tuple(t.shape) for n, t in [*net.named_parameters(), *net.named_buffers()] if t.is_meta}
