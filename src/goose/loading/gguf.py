@@ -328,6 +328,7 @@ def _meta_load(gguf: Path, attn_implementation: str):
                           prepare=lambda net: cached_gguf_weights(net, gguf, digest=digest))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # damaged from outside goose
         raise GooseError(f"cannot load the model in {folder}: {exc}") from exc
+    net.config._name_or_path = str(gguf)  # (the source, not the cache folder whose name changes with goose)
     return net, folder
 
 

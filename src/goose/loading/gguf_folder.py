@@ -28,20 +28,18 @@ from .. import cachefs
 from ..errors import GooseError
 from ..paths import cache_root
 from ..progress import note
+from .gguf import _LAYER_NAMES as PROJECTIONS
+from .gguf import ARCHITECTURES
 
 FOLDER_FORMAT = 1  # bumped when what the folder holds changes
 BLOCKS_DIR = "blocks"
 SMALL_FILE = "small.safetensors"
 RECORD = "goose-source.json"
-ARCHITECTURES = ("llama", "qwen2", "qwen3")  # (as goose.loading.gguf.ARCHITECTURES)
 
 # GGUF tensor name -> Hugging Face parameter name (per layer: "blk.{i}." -> "model.layers.{i}.")
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm"}
-_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-                "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
-                "attn_k_norm": "self_attn.k_norm"}
+_LAYER_NAMES = {**PROJECTIONS, "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -58,11 +56,13 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def _code_hash() -> str:
-    """What the folder's bytes depend on besides the GGUF: this module and the transformers version."""
+    """What the folder's bytes depend on besides the GGUF: this module, the GGUF reader and name map it uses
+    (`goose.loading.gguf`) and the transformers version."""
     import transformers
 
     h = hashlib.sha1(f"{FOLDER_FORMAT}|{transformers.__version__}|".encode())
-    h.update(Path(__file__).read_bytes())
+    for src in (Path(__file__), Path(__file__).with_name("gguf.py")):
+        h.update(src.read_bytes())
     return h.hexdigest()[:12]
 
 
