@@ -212,18 +212,18 @@ def test_fusing_keeps_one_copy():
 
 def test_unknown_weights_kind_is_refused():
     with pytest.raises(GooseError):
-        gguf_file.load_gguf_model(None, gguf_source("smollm2-135m"), "int4", torch.float32, torch.device("cpu"), "sdpa")
+        gguf_file.load_gguf_model(gguf_source("smollm2-135m"), "int4", torch.float32, torch.device("cpu"), "sdpa")
 
 
 def test_explicit_gguf_needs_a_gguf_source(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(GooseError, match="GGUF"):
-        gguf_file.load_gguf_model(tmp_path, gguf_source(str(tmp_path)), "gguf", torch.float32, torch.device("cpu"),
+        gguf_file.load_gguf_model(gguf_source(str(tmp_path)), "gguf", torch.float32, torch.device("cpu"),
                                   "sdpa")
     with pytest.raises(GooseError, match="float32 on the CPU"):
-        gguf_file.load_gguf_model(tmp_path, gguf_source("smollm2-135m"), "gguf", torch.float64, torch.device("cpu"),
+        gguf_file.load_gguf_model(gguf_source("smollm2-135m"), "gguf", torch.float64, torch.device("cpu"),
                                   "sdpa")
-    assert gguf_file.load_gguf_model(tmp_path, gguf_source(str(tmp_path)), None, torch.float32, torch.device("cpu"),
+    assert gguf_file.load_gguf_model(gguf_source(str(tmp_path)), None, torch.float32, torch.device("cpu"),
                                  "sdpa") is None
 
 

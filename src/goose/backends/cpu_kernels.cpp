@@ -528,44 +528,6 @@ inline void scores512(const float* qp, const float* keys, int64_t T, int D, floa
     }
   }
 }
-
-// weighted (see `weighted`) for R rows over 16 W columns from column c0 (the last vector only the lanes in
-// `last`): o[r][c0..] = inv[r] * sum_j e[r][j] v[j][c0..], j in [0, T).
-template <int R, int W>
-inline void weighted512(const float* const* e, const float* v, int64_t T, int64_t D, const float* inv,
-                        float* const* o, int64_t c0, __mmask16 last) {
-  __m512 acc[R][W];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < W; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < T; ++j) {
-    __m512 vv[W];
-    for (int c = 0; c < W; ++c) vv[c] = _mm512_maskz_loadu_ps(c == W - 1 ? last : 0xFFFF, v + j * D + c0 + 16 * c);
-    for (int r = 0; r < R; ++r) {
-      const __m512 ej = _mm512_set1_ps(e[r][j]);
-      for (int c = 0; c < W; ++c) acc[r][c] = _mm512_fmadd_ps(ej, vv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m512 iv = _mm512_set1_ps(inv[r]);
-    for (int c = 0; c < W; ++c)
-      _mm512_mask_storeu_ps(o[r] + c0 + 16 * c, c == W - 1 ? last : 0xFFFF, _mm512_mul_ps(acc[r][c], iv));
-  }
-}
-
-template <int R>
-inline void weighted512_cols(const float* const* e, const float* v, int64_t T, int64_t D, const float* inv,
-                             float* const* o) {
-  for (int64_t c0 = 0; c0 < D; c0 += 64) {
-    const int64_t cols = D - c0 < 64 ? D - c0 : 64;
-    const __mmask16 last = cols % 16 ? static_cast<__mmask16>(0x00FF) : static_cast<__mmask16>(0xFFFF);
-    switch ((cols + 15) / 16) {
-      case 4: weighted512<R, 4>(e, v, T, D, inv, o, c0, last); break;
-      case 3: weighted512<R, 3>(e, v, T, D, inv, o, c0, last); break;
-      case 2: weighted512<R, 2>(e, v, T, D, inv, o, c0, last); break;
-      default: weighted512<R, 1>(e, v, T, D, inv, o, c0, last); break;
-    }
-  }
-}
 #endif  // __AVX512F__
 
 }  // namespace

@@ -44,6 +44,14 @@ _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
+def check_architecture(meta: dict) -> str:
+    """The file's architecture (``general.architecture``) when goose keeps blocks of it; GooseError otherwise."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{arch}'")
+    return arch
+
+
 def _permutation(n: int, heads: int) -> np.ndarray:
     """HF row i of a llama q/k projection is GGUF row perm[i] (the inverse of llama.cpp's rope permutation)."""
     dim = n // heads // 2
@@ -184,9 +192,7 @@ def use_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, che
     if kern is None:
         raise GooseError(f"goose's quantized kernels cannot run here: {unavailable_reason()}")
     meta, tensors = read_gguf(Path(gguf))
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{arch}'")
+    arch = check_architecture(meta)
     cfg, base = model.config, model.model
     done: dict = {"packed": [], "float32": [], "bytes": 0}
     skipped: set[str] = set()
@@ -286,8 +292,8 @@ def _kernels_here() -> str | None:
     return f"goose's quantized kernels cannot run here ({unavailable_reason()})"
 
 
-def load_gguf_model(path: Path | None, source: Path | None, weights: str | None, dtype: torch.dtype,
-                    device: torch.device, attn_implementation: str):
+def load_gguf_model(source: Path | None, weights: str | None, dtype: torch.dtype, device: torch.device,
+                    attn_implementation: str):
     """`load_model`'s ``weights``: "gguf" (the GGUF blocks, `use_gguf_weights`), "float32" (the dequantized
     weights), or None: "gguf" where it applies (a single-file GGUF source of a supported architecture, float32
     on CPU, the kernels available here), else float32 with a one-line notice for a GGUF source.
@@ -295,8 +301,7 @@ def load_gguf_model(path: Path | None, source: Path | None, weights: str | None,
     Returns ``(model, folder)``: the model with its blocks in place and the small folder holding its config,
     tokenizer and float32 tensors (`goose.loading.gguf_folder`); or None when the weights are to be float32
     (the caller loads them from the dequantized copy). The model is built on the meta device, so float32
-    projections are never materialised. An explicit "gguf" that cannot be honoured raises. `path` (the model's
-    float32 folder, where the caller has one) is not read: the blocks' own folder holds what they need."""
+    projections are never materialised. An explicit "gguf" that cannot be honoured raises."""
     from .gguf_folder import UnreadableGGUF
 
     src, why = _resolve(source, weights, dtype, device)

@@ -29,7 +29,7 @@ from ..errors import GooseError
 from ..paths import cache_root
 from ..progress import note
 from .gguf import _LAYER_NAMES as PROJECTIONS
-from .gguf import ARCHITECTURES
+from .gguf import check_architecture
 
 FOLDER_FORMAT = 1  # bumped when what the folder holds changes
 BLOCKS_DIR = "blocks"
@@ -158,9 +158,7 @@ def gguf_config(meta: dict, tensor_names) -> dict:
     architectures goose keeps blocks of); raises GooseError for others."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING
 
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{arch}'")
+    arch = check_architecture(meta)
     if arch == "llama" and meta.get("general.name") == "mistral":  # (transformers reads this as Mistral)
         raise GooseError("a GGUF file named 'mistral' loads as Mistral, which goose does not keep blocks of")
     mapping = GGUF_TO_TRANSFORMERS_MAPPING["config"]

@@ -282,7 +282,7 @@ def _load(model: str, dt: torch.dtype, dev: torch.device, attn_implementation: s
 
     from .gguf import load_gguf_model
 
-    on_blocks = load_gguf_model(None, gguf_source(model), weights, dt, dev, attn_implementation)
+    on_blocks = load_gguf_model(gguf_source(model), weights, dt, dev, attn_implementation)
     if on_blocks is not None:
         net, folder = on_blocks
         try:
