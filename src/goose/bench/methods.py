@@ -34,6 +34,16 @@ def check(method: str) -> str:
     return method
 
 
+def remembered(mode: str | None, sessions: list, i: int) -> list | None:
+    """The sessions a memory in `mode` holds when session `i` of `sessions` starts (see MEMORY_MODES); None
+    for a method without a memory."""
+    if mode is None:
+        return None
+    if mode == "cold":
+        return []
+    return sessions[:i] if mode == "earlier" else sessions[:i] + sessions[i + 1:]
+
+
 def parse_memory(text: str | None) -> list[str]:
     """`--memory cold,warm` -> ["cold", "warm"] (checked); None or "" -> []."""
     modes = [m.strip() for m in (text or "").split(",") if m.strip()]

@@ -25,7 +25,7 @@ from ..errors import GooseError
 from . import store
 from .datasets import Question
 from .engines import HF_METHODS, make_engine
-from .methods import split
+from .methods import remembered, split
 
 REFERENCE = "ar"
 WARMUP_TOKENS = 8
@@ -123,12 +123,10 @@ class Runner:
     def _fill(self, mode: str | None, q: Question, questions: list[Question], ref_rows: dict) -> list | None:
         """The sequences a memory variant starts session `q` with: none (cold), those of the sessions before
         `q` (earlier) or of every other session (warm), as `ar` answered them (every method is lossless)."""
-        if mode is None:
-            return None
-        if mode == "cold":
-            return []
         i = next(k for k, p in enumerate(questions) if p.question_id == q.question_id)
-        others = questions[:i] if mode == "earlier" else questions[:i] + questions[i + 1:]
+        others = remembered(mode, questions, i)
+        if others is None:
+            return None
         out = []
         for p in others:
             if p.question_id not in self._seq_cache:

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..config import DEFAULT_MEMORY_MB
 from ..errors import GooseError
 
 METHODS = ("plain", "ngram", "suffix", "goose")
@@ -417,7 +418,7 @@ class _DecoderEngine:
 
 
 def run_sessions(methods: list[str], model: str, questions, chat: bool, max_new_tokens: int, threads: int = 2,
-                 log=None, memory_mb: float = 64) -> dict:
+                 log=None, memory_mb: float = DEFAULT_MEMORY_MB) -> dict:
     """Every method on every session, turn after turn with its own answers in the context.
 
     Pass 1: the references (vLLM `plain`, and goose's `decoder/ar` when decoder rows are asked for) answer
@@ -427,7 +428,7 @@ def run_sessions(methods: list[str], model: str, questions, chat: bool, max_new_
     filled with nothing, the earlier sessions or every other session, each turn's prompt and answer.
     Returns {"turns": {method: {question_id: [turn, ...]}}, "reference": {...}}; a turn is
     {"prompt_tokens", "token_ids", "seconds", "steps", "memory_accepted"}."""
-    from .methods import split  # noqa: PLC0415
+    from .methods import remembered, split  # noqa: PLC0415
 
     say = log or (lambda msg: None)
     prompter = session_prompter(model, chat)
@@ -458,12 +459,9 @@ def run_sessions(methods: list[str], model: str, questions, chat: bool, max_new_
         return turns
 
     def fill(m: str, i: int, reference: dict) -> list | None:
-        mode = split(m)[1]
-        if mode is None:
+        others = remembered(split(m)[1], questions, i)
+        if others is None:
             return None
-        if mode == "cold":
-            return []
-        others = questions[:i] if mode == "earlier" else questions[:i] + questions[i + 1:]
         ref = reference[DECODER + "ar" if m.startswith(DECODER) else "plain"]
         return [(t["prompt"], t["token_ids"]) for p in others for t in ref[p.question_id]]
 
@@ -599,7 +597,7 @@ def cmd_bench_vllm(args, questions, argv: list[str]) -> int:
 
             torch.set_num_threads(threads)  # goose's Decoder in this process, as many threads as a vLLM worker
         result = run_sessions(methods, model, questions, args.chat, args.max_new_tokens, threads, say,
-                              getattr(args, "memory_mb", 64))
+                              getattr(args, "memory_mb", DEFAULT_MEMORY_MB))
         meta = {"cpu": cpu_model(), "threads": threads, "vllm": vllm.__version__, "model": args.model,
                 "sessions": len(questions), "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
                 "methods": methods, "chat": args.chat, "argv": argv,
