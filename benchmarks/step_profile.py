@@ -8,6 +8,10 @@ forward. A long-prompt run shows that drafting cost does not grow with the conte
 indexes, no rescans).
 
     python benchmarks/step_profile.py [--model smollm2-135m] [--methods ar,goose] [--max-new-tokens 96]
+                                      [--weights gguf --arith exact|int8]
+
+--weights gguf times the packaged model's GGUF blocks (what `goose run` uses) on the lean forward only, in the
+arithmetic --arith.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from goose.backends.lean import supports as lean_supports
 from goose.decoding import Decoder
 from goose.loading.model import load_model
 
-STAGES = ("draft", "tensorize", "forward", "verify", "compact", "harvest", "commit")
+STAGES = ("select", "draft", "tensorize", "forward", "verify", "compact", "harvest", "commit")
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
@@ -46,6 +50,8 @@ def profile(dec: Decoder, texts: list[str], max_new: int, chat: bool = True) -> 
     for text in texts:
         res = dec.generate(text, max_new, chat=chat)
         for k, v in res.stats.stage_ms.items():
+            if k not in stages:
+                raise KeyError(f"the decoder reports a stage this script does not know: {k!r} (add it to STAGES)")
             stages[k] += v
         steps += len(res.stats.tree_sizes)
         tokens += res.stats.new_tokens
@@ -60,12 +66,18 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--long-prompt-tokens", type=int, default=4000)
+    ap.add_argument("--weights", choices=["float32", "gguf"], default="float32")
+    ap.add_argument("--arith", choices=["exact", "int8"], default="exact", help="with --weights gguf")
     args = ap.parse_args()
-    model, tok = load_model(args.model, pack=False)  # (HF and PyTorch kernels are timed too)
+    if args.weights == "gguf":
+        model, tok = load_model(args.model, weights="gguf", arith=args.arith)
+        backends = {f"gguf-{args.arith}": LeanForward}
+    else:
+        model, tok = load_model(args.model, pack=False)  # (HF and PyTorch kernels are timed too)
+        # generic forward; "hf+kernel": its linears on goose's kernel
+        backends = {"hf": lambda m: HFForward(m, kernel=False), "hf+kernel": HFForward}
     texts = prompts(args.prompts)
-    # generic forward; "hf+kernel": its linears on goose's kernel
-    backends = {"hf": lambda m: HFForward(m, kernel=False), "hf+kernel": HFForward}
-    if lean_supports(model):
+    if args.weights == "float32" and lean_supports(model):
         backends["lean-torch"] = lambda m: LeanForward(m, kernel=False)  # PyTorch's kernels
         backends["lean-linear"] = lambda m: LeanForward(m, attention_kernel=False)  # goose's linear kernel only
         backends["lean"] = LeanForward  # goose's linear and attention kernels where available (the default)

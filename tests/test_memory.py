@@ -222,6 +222,21 @@ def test_tenants_never_draft_from_each_others_text(model):
     assert bob_again.stats.accepted["memory"] > 0
 
 
+def test_a_private_memory_request_neither_reads_nor_leaves_text(model):
+    """(`goose serve` submits requests that name no tenant so.)"""
+    p = [23, 51, 9, 77, 3, 14, 30]
+    want = greedy_memo(model, p, 40)
+    with Engine(model, None, "goose", max_batch=2, prefix_cache_mb=0) as eng:
+        shared = eng.generate(p, 40)
+        private = [eng.generate(p, 40, private_memory=True) for _ in range(2)]
+        assert len(eng.memories) == 1 and len(eng.memories.get("")) == 1  # the shared request's text only
+        shared_again = eng.generate(p, 40)
+    for r in [shared, *private, shared_again]:
+        assert r.token_ids == want
+    assert all(r.stats.drafted["memory"] == 0 for r in private)  # the anonymous memory held p's answer
+    assert shared_again.stats.accepted["memory"] > 0
+
+
 def test_engine_memory_off():
     m = make_tiny_llama(seed=4)
     with Engine(m, None, "goose", memory_mb=0, prefix_cache_mb=0) as eng:

@@ -107,6 +107,8 @@ def test_tenants_through_the_api():
             assert ask(user="alice") > 0  # the same tenant reuses its prefix
             assert ask(user="bob") == 0  # another tenant learns nothing of alice's prompt
             assert ask() == 0  # nor does the anonymous tenant
+            # a request naming no tenant drafts from no memory and leaves its text in none
+            assert "" not in eng.memories and len(eng.memories) == 2  # alice's and bob's
             assert ask(user="alice", extra_body={"cache_salt": "s1"}) == 0  # a salt is a tenant of its own
             assert ask(user="alice", extra_body={"cache_salt": "s1"}) > 0
         with live_server(eng, api_key="key-1") as base:  # with a key, the key is part of the tenant

@@ -232,6 +232,9 @@ class MemoryPool:
     def __len__(self) -> int:
         return len(self._tenants)
 
+    def __contains__(self, tenant: str) -> bool:
+        return tenant in self._tenants
+
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in self._tenants.values())

@@ -50,10 +50,12 @@ class Request:
     as they are accepted; `tokens()` its token blocks; `cancel()` stops it at the next step boundary.
     `finish_reason`: "stop" (a stop token or `stop`), "length" (max_new_tokens), "cancelled" or "error"."""
 
-    def __init__(self, rid: int, prompt: list[int], slot: Slot, decode, on_tokens, tenant: str = "") -> None:
+    def __init__(self, rid: int, prompt: list[int], slot: Slot, decode, on_tokens, tenant: str = "",
+                 private_memory: bool = False) -> None:
         self.id = rid
         self.prompt = prompt
         self.tenant = tenant  # the prefix-cache and suffix-memory scope of this request (see Engine.submit)
+        self.private_memory = private_memory  # drafts from no earlier request's text, leaves none for later
         self.slot = slot
         self.method = slot.method.name  # the method decoding this request
         self._decode = decode
@@ -256,15 +258,16 @@ class Engine:
     # ---- public API ----------------------------------------------------------------------------------
     def submit(self, prompt_or_ids: str | list[int], max_new_tokens: int = 128, chat: bool = False, *,
                method: str | None = None, stop=None, eos=None, on_tokens=None, tenant: str = "",
-               **options) -> Request:
+               private_memory: bool = False, **options) -> Request:
         """Queue one request; returns at once. `options` are DecodeConfig fields (do_sample, temperature,
         top_k, top_p, seed, prefill_chunk; sampling without a seed draws one from the OS's entropy, so
         no two runs repeat each other). `stop(tokens) -> bool` is asked after every generated token;
         `eos`: stop token ids (default: the model's); `on_tokens(block)` is called on the engine's thread
         with each committed block (an exception there fails this request only). `tenant`: the prefix-cache
         and suffix-memory scope: a request reuses only prefixes stored, and drafts only from text seen, by
-        requests of the same tenant ("" = the anonymous tenant). Bad input raises GooseError here, before
-        anything is queued."""
+        requests of the same tenant ("" = the anonymous tenant). `private_memory`: the request neither drafts
+        from the suffix memory nor adds its text to it (`goose serve` sets it for requests that name no
+        tenant). Bad input raises GooseError here, before anything is queued."""
         cfg = decode_config(dict(options, max_new_tokens=max_new_tokens))
         if cfg.do_sample and cfg.seed is None:
             cfg = dataclasses.replace(cfg, seed=secrets.randbits(63))
@@ -281,7 +284,7 @@ class Engine:
                     self.limit, stop=None if stop is None else _guarded(stop, req_box))
         decode = None if self.tokenizer is None else \
             (lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
-        req = Request(rid, ids, slot, decode, on_tokens, str(tenant))
+        req = Request(rid, ids, slot, decode, on_tokens, str(tenant), bool(private_memory))
         req_box.append(req)
         with self._cond:
             if self._closed:
@@ -428,7 +431,7 @@ class Engine:
             running = list(self._running)
         reuse = self.prefixes.max_bytes > 0 and PrefixCache.supports(self.forward)
         for r in admitted:
-            r.slot.method.memory = self.memories.get(r.tenant)
+            r.slot.method.memory = None if r.private_memory else self.memories.get(r.tenant)
             self._guard(r, "starting the request (cache allocation)", r.slot.begin, self.settings.tree_room)
         if reuse:
             self._share_prefixes([r for r in running if not r.done])
@@ -458,7 +461,8 @@ class Engine:
                 if r.error is not None:  # its `stop` raised
                     r._finish("error", r.error)
                 elif s.done:
-                    self.memories.insert(r.tenant, s.prompt + s.out)
+                    if not r.private_memory:
+                        self.memories.insert(r.tenant, s.prompt + s.out)
                     r._finish(s.finish_reason)
         with self._cond:
             self._running = [r for r in self._running if not r.done]

@@ -505,7 +505,7 @@ class Serving:
 
         def queue_it():  # on a worker thread, so `box` is filled without the event loop
             req = engine.submit(ids, max_new, False, method=method, on_tokens=on_tokens, tenant=tenant,
-                                stop=stop_checker(self.decode, body.stop), **options)
+                                private_memory=not tenant, stop=stop_checker(self.decode, body.stop), **options)
             box.append(req.slot)
             ready.set()
             return req
