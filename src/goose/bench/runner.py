@@ -97,6 +97,7 @@ class Runner:
         self.prompter = Prompter(tokenizer, model, chat)
         self.max_new, self.repeats, self.model_id = max_new_tokens, repeats, model_id
         self.live = {m: [0, 0, 0.0] for m in self.methods}  # tokens, forwards, seconds (this session)
+        self._seq_cache: dict[int | str, list[list[int]]] = {}  # question id -> what a memory takes in from it
 
     # -- one method on one question -------------------------------------------------------------------
     def _run_turns(self, method: str, q: Question, fill: list[list[int]] | None = None) -> list[tuple]:
@@ -146,7 +147,6 @@ class Runner:
             return RunResult(0, skipped, False)
         bar = _progress(len(questions), skipped, progress)
         done, interrupted = 0, False
-        self._seq_cache: dict = {}
         try:
             self.warmup(pending[0])
             if any(split(m)[1] == "warm" for m in self.methods):
