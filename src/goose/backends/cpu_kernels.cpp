@@ -1021,7 +1021,7 @@ void attention_groups(const float* qkv, int64_t H, int64_t Kh, int64_t D, const 
     const int64_t parts = threads > 1 && work >= kSplitWork ? (2 * threads + n - 1) / n : 1;
     for (int64_t k = waves[w]; k < waves[w + 1]; ++k) {
       const Group& gr = groups[k];
-      const int64_t blocks = (gr.Tmax + block - 1) / block, per = (blocks + parts - 1) / parts * block;
+      const int64_t per = ((gr.Tmax + parts - 1) / parts + 3) / 4 * 4;  // keys per A tile, a multiple of 4
       for (int64_t a = 0; a < gr.Tmax; a += per) tilesA.push_back(Tile{k, a, a + per < gr.Tmax ? a + per : gr.Tmax, 0, D});
       if (parts > 1 && gr.R >= 2 * split_rows) {  // rows: whole register tiles of a full pass
         const int64_t rows = ((gr.R + parts - 1) / parts + split_rows - 1) / split_rows * split_rows;
