@@ -226,13 +226,13 @@ def test_a_tree_node_equals_its_path_run_as_a_chain(n, kh, group, d, prefix, see
 
 
 @needs_kernel
-@pytest.mark.skipif(len(VARIANTS) < 2, reason="this CPU runs one kernel variant")
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 20), kh=st.integers(1, 3), group=st.integers(1, 7), d=st.sampled_from([8, 16, 24, 64, 72, 128]),
        prefix=st.integers(0, 60), tree=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_attention_variants_are_bit_identical(n, kh, group, d, prefix, tree, seed):
-    """The AVX-512 attention (query rows of several tokens per work item, two rows per register) gives the
-    AVX2 variant's bits, outputs and cache alike."""
+    """Every variant's grouped attention (the query rows of a sequence that read one kv head share each block of
+    keys and values; two rows per register with AVX-512) gives the bits of the plain AVX2 arrangement (one
+    token's query heads per work item), outputs and cache alike."""
     g = torch.Generator().manual_seed(seed)
     heads = kh * group
     qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
@@ -241,16 +241,19 @@ def test_attention_variants_are_bit_identical(n, kh, group, d, prefix, tree, see
     cache = torch.randn(2, 2, kh, prefix + n + 2, d, generator=g)
     allowed = random_tree_mask(n, g) if tree else None
     got = {}
-    for name, kern in VARIANTS.items():
+    for name, plain in [("plain", True)] + [(name, False) for name in VARIANTS]:
         c = cache.clone()
-        step = kern.attention_step(heads, cos, sin, c, prefix, allowed, d ** -0.5)
+        step = VARIANTS["avx2" if plain else name].attention_step(heads, cos, sin, c, prefix, allowed, d ** -0.5,
+                                                                  plain=plain)
         got[name] = (torch.cat([step(layer, qkv) for layer in range(2)]), c)
-    (a, ca), (b, cb) = got.values()
-    assert torch.equal(a, b) and torch.equal(ca, cb)
+    ref, ref_cache = got.pop("plain")
+    for name, (out, c) in got.items():
+        assert torch.equal(out, ref) and torch.equal(c, ref_cache), name
 
 
-def _attention_with_threads(kern, threads, heads, kh, d, n, prefix, allowed, seed):
-    """One layer's attention output and cache with `threads` OpenMP threads (restored afterwards)."""
+def _attention_with_threads(kern, threads, heads, kh, d, n, prefix, allowed, seed, plain=False):
+    """One layer's attention output and cache with `threads` OpenMP threads (restored afterwards); `plain`:
+    the plain arrangement, the bit reference of the grouped kernels."""
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
     ang = torch.rand(n, d // 2, generator=g) * 6.3
@@ -259,7 +262,7 @@ def _attention_with_threads(kern, threads, heads, kh, d, n, prefix, allowed, see
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = kern.attention_step(heads, cos, sin, cache, prefix, allowed, d ** -0.5)(0, qkv)
+        out = kern.attention_step(heads, cos, sin, cache, prefix, allowed, d ** -0.5, plain=plain)(0, qkv)
     finally:
         torch.set_num_threads(before)
     return out, cache
@@ -270,16 +273,17 @@ def _attention_with_threads(kern, threads, heads, kh, d, n, prefix, allowed, see
 @given(n=st.integers(1, 40), kh=st.integers(1, 3), group=st.integers(1, 9), d=st.sampled_from([16, 64, 72, 128]),
        prefix=st.integers(0, 400), tree=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_attention_bits_do_not_depend_on_threads_or_variant(n, kh, group, d, prefix, tree, seed):
-    """Every row's bits are the same whatever the number of threads (which changes how the AVX-512 kernel
-    splits keys, rows and columns into work items) and in both variants; up to 360 rows per kv head (several
-    row groups) and hundreds of keys (several key blocks)."""
+    """Every row's bits are the same whatever the number of threads (which changes how the grouped kernels
+    split keys, rows and columns into work items) and in every variant, and are the plain AVX2 arrangement's;
+    up to 360 rows per kv head (several row groups) and hundreds of keys (several key blocks)."""
     _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed)
 
 
 def _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed):
     g = torch.Generator().manual_seed(seed)
     allowed = random_tree_mask(n, g) if tree else None
-    ref, ref_cache = _attention_with_threads(KERNEL, 1, kh * group, kh, d, n, prefix, allowed, seed)
+    ref, ref_cache = _attention_with_threads(VARIANTS["avx2"], 1, kh * group, kh, d, n, prefix, allowed, seed,
+                                             plain=True)
     for kern in VARIANTS.values():
         for threads in (1, 2, 3, 5):
             out, cache = _attention_with_threads(kern, threads, kh * group, kh, d, n, prefix, allowed, seed)
@@ -290,18 +294,18 @@ def _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed):
 @pytest.mark.parametrize("n, kh, group, d, prefix, tree", [
     (1, 3, 3, 64, 1000, False),   # one token, 3 kv heads: keys split by range, values by columns
     (16, 3, 3, 64, 300, True),    # a 16-node tree: 48 rows per kv head, values split by rows
-    (5, 1, 2, 72, 2000, False),   # a partial last column vector, split into 16-column tiles
+    (2, 1, 2, 72, 2000, False),   # 4 rows, head dim 72 (AVX-512: a partial last vector): values split by columns
     (3, 2, 4, 128, 700, True),
 ])
 def test_attention_split_over_threads_keeps_the_bits(n, kh, group, d, prefix, tree):
-    """Steps with few kv heads and long caches, whose groups the AVX-512 kernel splits over the threads (by key
-    range, rows or columns): the same bits with 1, 2, 3 and 5 threads and in both variants."""
+    """Steps with few kv heads and long caches, whose groups the grouped kernels split over the threads (by key
+    range, rows or columns): the plain arrangement's bits with 1, 2, 3 and 5 threads and in every variant."""
     _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, 11)
 
 
 @needs_kernel
 def test_attention_in_several_waves_equals_each_row_alone():
-    """A step whose score rows exceed one wave of the AVX-512 kernel (many rows on a long cache) gives each
+    """A step whose score rows exceed one wave of the grouped kernels (many rows on a long cache) gives each
     token exactly what it gets computed alone on the same cache (its prefix plus itself), with 1 and 2 threads."""
     heads, kh, d, prefix, n = 12, 3, 64, 2600, 24  # 96 rows per kv head, ~2600 keys: 6 groups of 0.5 MB rows
     for threads in (1, 2):

@@ -167,6 +167,12 @@ void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps,
 }
 
 // ---- goose_attention helpers ----
+//
+// Two arrangements of the same per-row arithmetic (scores: an FMA chain over D and a fixed horizontal sum;
+// softmax_numerators; weighted sums: an FMA chain over the keys in order), with bit-identical results:
+// `attention`, the plain one (a work item is one token's query heads, at most 3, over all its keys), the
+// reference (goose_attention_plain); and `attention_groups`, which goose_attention runs on both variants (all
+// the query rows of a sequence that read one kv head share each block of keys and values; see there).
 
 // e^x for x <= 0 (softmax arguments after subtracting the max), 8 lanes: x = n ln2 + r, |r| <= ln2 / 2,
 // e^r by its degree-6 Taylor polynomial (relative error < 2e-7), times 2^n through the exponent bits.
@@ -469,7 +475,7 @@ void linear512(const float* x, int64_t M, int64_t K, const float* packed, int64_
 // second), and each lane does exactly what the 8-lane code does for its row, in the same order, so every
 // score and output is bit-identical to the AVX2 variant's. A score tile takes up to kPairs512 pairs of query
 // rows that read one kv head (several tokens and the query heads of their group): each key vector is loaded
-// once for all of them (see attention512 for how the rows of a whole sequence share a block of keys).
+// once for all of them (see attention_groups for how the rows of a whole sequence share a block of keys).
 constexpr int kPairs512 = 4;
 
 inline __m512 both_halves(const float* p) {  // 8 floats in lanes 0-7 and again in 8-15
@@ -534,7 +540,7 @@ inline void scores512(const float* qp, const float* keys, int64_t T, int D, floa
 
 extern "C" {
 
-int goose_kernels_abi(void) { return 8; }
+int goose_kernels_abi(void) { return 9; }
 
 #ifdef __AVX512F__
 int goose_kernels_isa(void) { return 512; }
@@ -633,7 +639,8 @@ void write_new_kv(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
   }
 }
 
-// Attention of a decoder layer for several sequences in one parallel region (see goose_attention).
+// Attention of a decoder layer for several sequences in one parallel region (see goose_attention), in the
+// plain arrangement: the bit reference of attention_groups.
 void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg, float scale,
                float* out) {
   const int64_t row = (H + 2 * Kh) * D, G = H / Kh;
@@ -683,16 +690,15 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
   }
 }
 
-#ifdef __AVX512F__
-// ---- the AVX-512 attention: groups of query rows over blocks of keys and values ----
+// ---- the grouped attention: groups of query rows over blocks of keys and values ----
 //
 // Same bits as `attention`, arranged so that each key and value is read from memory once per step for all
 // the query rows of a sequence. A group is up to kGroupRows query rows of one segment that read one kv head
 // (row q = token q / G, query head kv G + q % G). A layer's groups go through three phases in one parallel
 // region (in waves whose score rows fit kWaveFloats):
 //  A. scores: tiles of (group, key range); each block of keys (kBlockFloats) is loaded into L1 once (the
-//     next one prefetched into L2 meanwhile) and used by all the group's rows, two rows per register
-//     (scores512, kPairs512 pairs at a time);
+//     next one prefetched into L2 meanwhile) and used by all the group's rows, a register tile of rows at a
+//     time (Isa::scores);
 //  B. each row's softmax numerators (row_softmax), in place;
 //  C. weighted sums: tiles of (group, rows, columns); each block of values is used by the tile's rows, whose
 //     accumulators are kept between blocks, so every output is still one FMA chain over j in order.
@@ -700,6 +706,9 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
 // heads, 3 on 2 threads): by key range in A, by rows (many) or columns (few rows) in C; B runs inside C's
 // tiles when C is not split by columns, and when no group is split a group's phases are one work item (no
 // barrier between them). No tile's numbers depend on the split.
+// The plan and phases are `attention_groups<Isa>`; only the vector inner loops differ between the variants:
+// Groups256 (AVX2: 16 ymm registers, one row per register) and Groups512 (AVX-512: 32 zmm registers, two
+// rows per register).
 constexpr int kGroupRows = 48;            // query rows per group (a multiple of 6 and of 8)
 constexpr int64_t kBlockFloats = 4096;   // a block of keys (values): 16 KB, 64 keys at D = 64
 constexpr int64_t kWaveFloats = 1 << 19;  // score rows per wave (2 MB)
@@ -709,7 +718,8 @@ constexpr int64_t kSplitWork = 12288;     // keys x rows of a wave from which gr
 struct Group {
   const Segment* g;
   int64_t kv, q0, Tmax, sc;  // kv head, first row, keys read, offset of its score rows in the wave's buffer
-  int R, P;                  // rows, row pairs (an odd group's last pair repeats its last row)
+  int R, S;                  // rows, score rows (R rounded up to Isa::kRowMultiple: an odd group's last
+                             // AVX-512 pair repeats its last row)
 };
 
 struct Tile {
@@ -717,14 +727,154 @@ struct Tile {
   int64_t c0, c1;         // C: columns [c0, c1)
 };
 
-// o[r][c0..c0 + 16 W) (the last vector only the lanes in `last`) for R rows over values j in [j0, j1) (v is
-// already offset to column c0): accumulators from acc (rows of stride lda; zeros when `first`), back to acc,
-// or when `inv` is given times inv[r] into o[r]. ahead (or 0): prefetch distance in values, for the values j
-// with j % pf_every == pf_at.
+// scores (see `scores`) of R query rows q [R][D] over keys [T][D]; row r's scores go to s[r]. S: D / 8 when
+// known at compile time (the loops then unroll), else 0. pf (or null): pf_lines cache lines from there to
+// fetch into L2 meanwhile, spread evenly over the keys (a few per 4 keys, so they never crowd the line fill
+// buffers). R x 4 accumulators and the 4 key vectors fill the 16 registers at R = 3 (q is read from L1).
+// _mm256_hadd_ps: per 128-bit lane [a0 + a1, a2 + a3, b0 + b1, b2 + b3], in fewer micro-ops on Zen 3
+inline __m256 hadd256(__m256 a, __m256 b) {
+  return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+template <int R, int S>
+inline void scores_tile(const float* q, const float* keys, int64_t T, int D, float scale, float* const* s,
+                        const float* pf, int64_t pf_lines) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  const int steps = S ? S : D / 8;
+  const int64_t per = pf ? (pf_lines + (T + 3) / 4 - 1) / ((T + 3) / 4) : 0;  // lines per 4 keys
+  for (int64_t j0 = 0; j0 < T; j0 += 4) {
+    if (pf)
+      for (int64_t l = j0 / 4 * per; l < (j0 / 4 + 1) * per && l < pf_lines; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * l, _MM_HINT_T1);
+    const float* k[4];
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) k[t] = keys + (j0 + t < T ? j0 + t : T - 1) * D;
+    __m256 a[R][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) a[r][t] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int d = 0; d < steps; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(k[0] + 8 * d), k1 = _mm256_loadu_ps(k[1] + 8 * d);
+      const __m256 k2 = _mm256_loadu_ps(k[2] + 8 * d), k3 = _mm256_loadu_ps(k[3] + 8 * d);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + r * D + 8 * d);
+        a[r][0] = _mm256_fmadd_ps(qv, k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(qv, k1, a[r][1]);
+        a[r][2] = _mm256_fmadd_ps(qv, k2, a[r][2]);
+        a[r][3] = _mm256_fmadd_ps(qv, k3, a[r][3]);
+      }
+    }
+    const int64_t m = T - j0 < 4 ? T - j0 : 4;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {  // the horizontal sums of `scores` (hadd as two shuffles and an add)
+      const __m256 u = hadd256(hadd256(a[r][0], a[r][1]), hadd256(a[r][2], a[r][3]));
+      const __m128 v = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)),
+                                  _mm256_castps256_ps128(sc));
+      store_scores(s[r] + j0, v, m);
+    }
+  }
+}
+
+template <int S>
+inline void scores_rows(int R, const float* q, const float* keys, int64_t T, int D, float scale, float* const* s,
+                        const float* pf, int64_t pf_lines) {
+  switch (R) {
+    case 3: scores_tile<3, S>(q, keys, T, D, scale, s, pf, pf_lines); break;
+    case 2: scores_tile<2, S>(q, keys, T, D, scale, s, pf, pf_lines); break;
+    default: scores_tile<1, S>(q, keys, T, D, scale, s, pf, pf_lines); break;
+  }
+}
+
+// o[r][0..8 W) for R rows over values j in [j0, j1) (v is already offset to the tile's first column):
+// accumulators from acc (rows of stride lda; zeros when `first`), back to acc, or when `inv` is given times
+// inv[r] into o[r]. ahead (or 0): prefetch distance in values, for the values j with j % pf_every == pf_at.
 template <int R, int W>
 inline void weighted_block(const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D, float* acc,
-                           int64_t lda, bool first, const float* inv, float* const* o, __mmask16 last,
-                           int64_t ahead, int64_t pf_every, int64_t pf_at) {
+                           int64_t lda, bool first, const float* inv, float* const* o, int64_t ahead,
+                           int64_t pf_every, int64_t pf_at) {
+  __m256 a[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < W; ++c) a[r][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * lda + 8 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (ahead && j % pf_every == pf_at)  // fetch the same columns of value j + ahead into L2 meanwhile
+      for (int c = 0; c < W; c += 2) _mm_prefetch(reinterpret_cast<const char*>(v + (j + ahead) * D + 8 * c), _MM_HINT_T1);
+    __m256 vv[W];
+    for (int c = 0; c < W; ++c) vv[c] = _mm256_loadu_ps(v + j * D + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 ej = _mm256_set1_ps(e[r][j]);
+      for (int c = 0; c < W; ++c) a[r][c] = _mm256_fmadd_ps(ej, vv[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (inv) {
+      const __m256 iv = _mm256_set1_ps(inv[r]);
+      for (int c = 0; c < W; ++c) _mm256_storeu_ps(o[r] + 8 * c, _mm256_mul_ps(a[r][c], iv));
+    } else {
+      for (int c = 0; c < W; ++c) _mm256_storeu_ps(acc + r * lda + 8 * c, a[r][c]);
+    }
+  }
+}
+
+template <int W>
+inline void weighted_block_rows(int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
+                                float* acc, int64_t lda, bool first, const float* inv, float* const* o,
+                                int64_t ahead, int64_t pf_every, int64_t pf_at) {
+  switch (R) {
+    case 6: weighted_block<6, W>(e, v, j0, j1, D, acc, lda, first, inv, o, ahead, pf_every, pf_at); break;
+    case 5: weighted_block<5, W>(e, v, j0, j1, D, acc, lda, first, inv, o, ahead, pf_every, pf_at); break;
+    case 4: weighted_block<4, W>(e, v, j0, j1, D, acc, lda, first, inv, o, ahead, pf_every, pf_at); break;
+    case 3: weighted_block<3, W>(e, v, j0, j1, D, acc, lda, first, inv, o, ahead, pf_every, pf_at); break;
+    case 2: weighted_block<2, W>(e, v, j0, j1, D, acc, lda, first, inv, o, ahead, pf_every, pf_at); break;
+    default: weighted_block<1, W>(e, v, j0, j1, D, acc, lda, first, inv, o, ahead, pf_every, pf_at); break;
+  }
+}
+
+// The AVX2 inner loops of attention_groups. Scores: 3 rows x 4 keys per register tile. Weighted sums: passes
+// of 32 columns (4 vectors; a pass at the end of a row may be narrower), 3 rows x 4 vectors of accumulators
+// (4 x 3, 6 x 2, 6 x 1 for narrower passes). Measured on Zen 3: 32-column passes beat 16-column ones (6 x 2)
+// once the values come from memory, as they do in a model's forward.
+struct Groups256 {
+  static constexpr int kRowMultiple = 1;  // score rows per query row
+  static constexpr int kScoreTile = 3;    // score rows per scores call
+  static constexpr int kVec = 8;          // columns per vector
+  static constexpr int kPassCols = 32;    // columns per weighted pass
+  static constexpr int rows_for(int W) { return W >= 4 ? 3 : W == 3 ? 4 : 6; }  // rows per weighted_block call
+
+  // query q [D] as score row r of the group's packed queries
+  static void pack(float* qp, int r, const float* q, int D) { memcpy(qp + r * D, q, sizeof(float) * D); }
+
+  static void scores(int rows, const float* qq, const float* keys, int64_t T, int D, float scale,
+                     float* const* s, const float* pf, int64_t pf_lines) {
+    switch (D) {  // head sizes with unrolled loops
+      case 64: scores_rows<8>(rows, qq, keys, T, D, scale, s, pf, pf_lines); break;
+      case 128: scores_rows<16>(rows, qq, keys, T, D, scale, s, pf, pf_lines); break;
+      default: scores_rows<0>(rows, qq, keys, T, D, scale, s, pf, pf_lines); break;
+    }
+  }
+
+  static void weighted(int W, int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
+                       float* acc, int64_t lda, bool first, const float* inv, float* const* o, int64_t /*cols*/,
+                       int64_t ahead, int64_t pf_every, int64_t pf_at) {
+    if (W == 4)
+      weighted_block_rows<4>(R, e, v, j0, j1, D, acc, lda, first, inv, o, ahead, pf_every, pf_at);
+    else if (W == 3)
+      weighted_block_rows<3>(R, e, v, j0, j1, D, acc, lda, first, inv, o, ahead, pf_every, pf_at);
+    else if (W == 2)
+      weighted_block_rows<2>(R, e, v, j0, j1, D, acc, lda, first, inv, o, ahead, pf_every, pf_at);
+    else
+      weighted_block_rows<1>(R, e, v, j0, j1, D, acc, lda, first, inv, o, ahead, pf_every, pf_at);
+  }
+};
+
+#ifdef __AVX512F__
+// weighted_block with 16-column vectors: o[r][0..16 W), the last vector only the lanes in `last`.
+template <int R, int W>
+inline void weighted_block512(const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D, float* acc,
+                              int64_t lda, bool first, const float* inv, float* const* o, __mmask16 last,
+                              int64_t ahead, int64_t pf_every, int64_t pf_at) {
   __m512 a[R][W];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < W; ++c) a[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * lda + 16 * c);
@@ -749,22 +899,22 @@ inline void weighted_block(const float* const* e, const float* v, int64_t j0, in
   }
 }
 
-// Rows per weighted_block call for W column vectors (R W accumulators of the 32 registers).
-constexpr int rows_for(int W) { return W >= 4 ? 6 : 8; }
+// Rows per weighted_block512 call for W column vectors (R W accumulators of the 32 registers).
+constexpr int rows_for512(int W) { return W >= 4 ? 6 : 8; }
 
 template <int W>
-inline void weighted_block_rows(int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
-                                float* acc, int64_t lda, bool first, const float* inv, float* const* o,
-                                __mmask16 last, int64_t ahead, int64_t pf_every, int64_t pf_at) {
+inline void weighted_block_rows512(int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
+                                   float* acc, int64_t lda, bool first, const float* inv, float* const* o,
+                                   __mmask16 last, int64_t ahead, int64_t pf_every, int64_t pf_at) {
   switch (R) {
-    case 8: if constexpr (rows_for(W) >= 8) weighted_block<8, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
-    case 7: if constexpr (rows_for(W) >= 7) weighted_block<7, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
-    case 6: weighted_block<6, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
-    case 5: weighted_block<5, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
-    case 4: weighted_block<4, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
-    case 3: weighted_block<3, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
-    case 2: weighted_block<2, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
-    default: weighted_block<1, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 8: if constexpr (rows_for512(W) >= 8) weighted_block512<8, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 7: if constexpr (rows_for512(W) >= 7) weighted_block512<7, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 6: weighted_block512<6, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 5: weighted_block512<5, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 4: weighted_block512<4, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 3: weighted_block512<3, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    case 2: weighted_block512<2, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    default: weighted_block512<1, W>(e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
   }
 }
 
@@ -779,10 +929,50 @@ inline void scores_pairs(int np, const float* qp, const float* keys, int64_t T, 
   }
 }
 
-void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg,
-                  float scale, float* out) {
+// The AVX-512 inner loops of attention_groups. Scores: kPairs512 row pairs x 4 keys per register tile, the
+// queries pair-interleaved ([pairs][D / 8][16]: score row r at pair r / 2, lanes 8 (r % 2) ..). Weighted
+// sums: passes of 64 columns (4 vectors), rows_for512(W) rows per register tile.
+struct Groups512 {
+  static constexpr int kRowMultiple = 2;
+  static constexpr int kScoreTile = 2 * kPairs512;
+  static constexpr int kVec = 16;
+  static constexpr int kPassCols = 64;
+  static constexpr int rows_for(int W) { return rows_for512(W); }
+
+  static void pack(float* qp, int r, const float* q, int D) {
+    const int steps = D / 8;
+    for (int k = 0; k < steps; ++k) memcpy(qp + ((r / 2) * steps + k) * 16 + (r % 2) * 8, q + 8 * k, sizeof(float) * 8);
+  }
+
+  static void scores(int rows, const float* qq, const float* keys, int64_t T, int D, float scale,
+                     float* const* s, const float* pf, int64_t pf_lines) {
+    switch (D) {  // head sizes with unrolled loops
+      case 64: scores_pairs<8>(rows / 2, qq, keys, T, D, scale, s, pf, pf_lines); break;
+      case 128: scores_pairs<16>(rows / 2, qq, keys, T, D, scale, s, pf, pf_lines); break;
+      default: scores_pairs<0>(rows / 2, qq, keys, T, D, scale, s, pf, pf_lines); break;
+    }
+  }
+
+  static void weighted(int W, int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
+                       float* acc, int64_t lda, bool first, const float* inv, float* const* o, int64_t cols,
+                       int64_t ahead, int64_t pf_every, int64_t pf_at) {
+    const __mmask16 last = cols % 16 ? static_cast<__mmask16>(0x00FF) : static_cast<__mmask16>(0xFFFF);
+    switch (W) {
+      case 4: weighted_block_rows512<4>(R, e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+      case 3: weighted_block_rows512<3>(R, e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+      case 2: weighted_block_rows512<2>(R, e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+      default: weighted_block_rows512<1>(R, e, v, j0, j1, D, acc, lda, first, inv, o, last, ahead, pf_every, pf_at); break;
+    }
+  }
+};
+#endif
+
+template <class Isa>
+void attention_groups(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg,
+                      float scale, float* out) {
   const int64_t row = (H + 2 * Kh) * D, G = H / Kh;
-  const int d = static_cast<int>(D), steps = d / 8;
+  const int d = static_cast<int>(D);
+  constexpr int M = Isa::kRowMultiple;
   write_new_kv(qkv, H, Kh, D, segs, nseg);
   // the caller's plan and score rows, reused across calls (no allocation once grown)
   thread_local struct {
@@ -802,15 +992,15 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
     widest = g.n > widest ? g.n : widest;
     for (int64_t kv = 0; kv < Kh; ++kv)
       for (int64_t q0 = 0; q0 < g.n * G; q0 += kGroupRows) {
-        const int R = static_cast<int>(g.n * G - q0 < kGroupRows ? g.n * G - q0 : kGroupRows);
+        const int R = static_cast<int>(g.n * G - q0 < kGroupRows ? g.n * G - q0 : kGroupRows), S = (R + M - 1) / M * M;
         const int64_t last_token = (q0 + R - 1) / G;
         const int64_t Tmax = g.allowed ? g.p + g.n : g.p + last_token + 1;  // causal: rows see up to their token
-        const int64_t floats = 2 * ((R + 1) / 2) * (Tmax + 8);
+        const int64_t floats = S * (Tmax + 8);
         if (wave_floats > 0 && wave_floats + floats > kWaveFloats) {
           waves.push_back(static_cast<int64_t>(groups.size()));
           wave_floats = 0;
         }
-        groups.push_back(Group{&g, kv, q0, Tmax, wave_floats, R, (R + 1) / 2});
+        groups.push_back(Group{&g, kv, q0, Tmax, wave_floats, R, S});
         wave_floats += floats;
         arena = wave_floats > arena ? wave_floats : arena;
       }
@@ -831,21 +1021,22 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
   plan.offA.assign(1, 0);
   plan.offC.assign(1, 0);
   plan.split_cols.assign(nwaves, 0);
+  constexpr int split_rows = Isa::rows_for(Isa::kPassCols / Isa::kVec);  // rows of a full pass's register tile
   for (size_t w = 0; w < nwaves; ++w) {
     const int64_t n = waves[w + 1] - waves[w];
     int64_t work = 0;  // keys x rows (at least 8 rows: a few rows cost the time to read their keys)
-    for (int64_t k = waves[w]; k < waves[w + 1]; ++k) work += groups[k].Tmax * (groups[k].P < 4 ? 8 : 2 * groups[k].P);
+    for (int64_t k = waves[w]; k < waves[w + 1]; ++k) work += groups[k].Tmax * (groups[k].S < 8 ? 8 : groups[k].S);
     // tiles per group for ~2 per thread, when the work pays for the barriers between phases
     const int64_t parts = threads > 1 && work >= kSplitWork ? (2 * threads + n - 1) / n : 1;
     for (int64_t k = waves[w]; k < waves[w + 1]; ++k) {
       const Group& gr = groups[k];
-      const int64_t blocks = (gr.Tmax + block - 1) / block, per = (blocks + parts - 1) / parts * block;
+      const int64_t per = ((gr.Tmax + parts - 1) / parts + 3) / 4 * 4;  // keys per A tile, a multiple of 4
       for (int64_t a = 0; a < gr.Tmax; a += per) tilesA.push_back(Tile{k, a, a + per < gr.Tmax ? a + per : gr.Tmax, 0, D});
-      if (parts > 1 && gr.R >= 12) {  // rows: multiples of 6, so each tile runs whole 6-row register tiles
-        const int64_t rows = ((gr.R + parts - 1) / parts + 5) / 6 * 6;
+      if (parts > 1 && gr.R >= 2 * split_rows) {  // rows: whole register tiles of a full pass
+        const int64_t rows = ((gr.R + parts - 1) / parts + split_rows - 1) / split_rows * split_rows;
         for (int64_t a = 0; a < gr.R; a += rows) tilesC.push_back(Tile{k, a, a + rows < gr.R ? a + rows : gr.R, 0, D});
-      } else if (parts > 1 && D >= 32) {  // columns: multiples of 16
-        const int64_t vecs = (D + 15) / 16, cols = (vecs + parts - 1) / parts * 16;
+      } else if (parts > 1 && D >= 2 * Isa::kVec) {  // columns: whole vectors
+        const int64_t vecs = (D + Isa::kVec - 1) / Isa::kVec, cols = (vecs + parts - 1) / parts * Isa::kVec;
         for (int64_t c = 0; c < D; c += cols) tilesC.push_back(Tile{k, 0, gr.R, c, c + cols < D ? c + cols : D});
         plan.split_cols[w] = 1;
       } else {
@@ -868,7 +1059,7 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
       for (int64_t t = Tv; t < gr.Tmax; ++t) sr[t] = 0.0f;  // keys past the row's own add zeros (exactly)
     }
   };
-  const int64_t lda = (D + 15) / 16 * 16;  // accumulator rows: whole vectors
+  const int64_t lda = (D + Isa::kVec - 1) / Isa::kVec * Isa::kVec;  // accumulator rows: whole vectors
   struct Scratch {
     std::vector<float> q, qp, rest, acc;
   };
@@ -877,31 +1068,26 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
     const Group& gr = groups[tl.group];
     const Segment& g = *gr.g;
     float* srow[kGroupRows];
-    for (int r = 0; r < 2 * gr.P; ++r) {
+    for (int r = 0; r < gr.S; ++r) {
       const int64_t qi = gr.q0 + (r < gr.R ? r : gr.R - 1), i = qi / G, h = gr.kv * G + qi % G;
       srow[r] = score_row(gr, r);
       rope(qkv + (g.row0 + i) * row + h * D, g.cos + i * D, g.sin + i * D, d, w.q.data());
-      for (int k = 0; k < steps; ++k)
-        memcpy(w.qp.data() + ((r / 2) * steps + k) * 16 + (r % 2) * 8, w.q.data() + 8 * k, sizeof(float) * 8);
+      Isa::pack(w.qp.data(), r, w.q.data(), d);
     }
     const float* kh = g.keys + gr.kv * g.cap * D;
     for (int64_t j0 = tl.a0; j0 < tl.a1; j0 += block) {
       const int64_t len = tl.a1 - j0 < block ? tl.a1 - j0 : block;
-      for (int p0 = 0; p0 < gr.P; p0 += kPairs512) {
-        float* s[2 * kPairs512];
-        for (int r = 0; r < 2 * kPairs512 && 2 * p0 + r < 2 * gr.P; ++r) s[r] = srow[2 * p0 + r] + j0;
-        const float* qq = w.qp.data() + p0 * steps * 16;
-        const int np = gr.P - p0 < kPairs512 ? gr.P - p0 : kPairs512;
-        // the row pairs fetch the tile's next block meanwhile, each pass over this block a share of its lines
+      for (int r0 = 0; r0 < gr.S; r0 += Isa::kScoreTile) {
+        float* s[Isa::kScoreTile];
+        const int nr = gr.S - r0 < Isa::kScoreTile ? gr.S - r0 : Isa::kScoreTile;
+        for (int r = 0; r < nr; ++r) s[r] = srow[r0 + r] + j0;
+        // the row tiles fetch the tile's next block meanwhile, each pass over this block a share of its lines
         const int64_t next = tl.a1 - (j0 + len) < block ? tl.a1 - (j0 + len) : block;
-        const int64_t lines = next * D / 16, passes = (gr.P + kPairs512 - 1) / kPairs512, pass = p0 / kPairs512;
+        const int64_t lines = next * D / 16, passes = (gr.S + Isa::kScoreTile - 1) / Isa::kScoreTile;
+        const int64_t pass = r0 / Isa::kScoreTile;
         const float* pf = next > 0 ? kh + (j0 + len) * D + pass * lines / passes * 16 : nullptr;
         const int64_t pf_lines = (pass + 1) * lines / passes - pass * lines / passes;
-        switch (d) {  // head sizes with unrolled loops
-          case 64: scores_pairs<8>(np, qq, kh + j0 * D, len, d, scale, s, pf, pf_lines); break;
-          case 128: scores_pairs<16>(np, qq, kh + j0 * D, len, d, scale, s, pf, pf_lines); break;
-          default: scores_pairs<0>(np, qq, kh + j0 * D, len, d, scale, s, pf, pf_lines); break;
-        }
+        Isa::scores(nr, w.qp.data() + r0 * D, kh + j0 * D, len, d, scale, s, pf, pf_lines);
       }
     }
   };
@@ -922,10 +1108,9 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
     for (int64_t j0 = 0; j0 < gr.Tmax; j0 += block) {
       const int64_t j1 = gr.Tmax - j0 < block ? gr.Tmax : j0 + block;
       const bool first = j0 == 0, final = j1 == gr.Tmax;
-      for (int64_t c0 = tl.c0; c0 < tl.c1; c0 += 64) {
-        const int64_t cols = tl.c1 - c0 < 64 ? tl.c1 - c0 : 64, W = (cols + 15) / 16;
-        const __mmask16 last = cols % 16 ? static_cast<__mmask16>(0x00FF) : static_cast<__mmask16>(0xFFFF);
-        const int step = W >= 4 ? rows_for(4) : rows_for(1);
+      for (int64_t c0 = tl.c0; c0 < tl.c1; c0 += Isa::kPassCols) {
+        const int64_t cols = tl.c1 - c0 < Isa::kPassCols ? tl.c1 - c0 : Isa::kPassCols;
+        const int W = static_cast<int>((cols + Isa::kVec - 1) / Isa::kVec), step = Isa::rows_for(W);
         for (int64_t r = tl.a0; r < tl.a1; r += step) {
           const int R = static_cast<int>(tl.a1 - r < step ? tl.a1 - r : step);
           float* a = w.acc.data() + (r - tl.a0) * lda + (c0 - tl.c0);
@@ -935,12 +1120,7 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
           // the next block, each row set fetching every sets-th value of it
           const int64_t ahead = j1 + (j1 - j0) <= gr.Tmax ? j1 - j0 : 0, sets = (tl.a1 - tl.a0 + step - 1) / step;
           const int64_t pf_every = sets, pf_at = (r - tl.a0) / step;
-          switch (W) {
-            case 4: weighted_block_rows<4>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
-            case 3: weighted_block_rows<3>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
-            case 2: weighted_block_rows<2>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
-            default: weighted_block_rows<1>(R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, last, ahead, pf_every, pf_at); break;
-          }
+          Isa::weighted(W, R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, cols, ahead, pf_every, pf_at);
         }
       }
     }
@@ -976,14 +1156,12 @@ void attention512(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
   }
 }
 
-#endif
-
 void attention_best(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment* segs, int64_t nseg,
                     float scale, float* out) {
 #ifdef __AVX512F__
-  attention512(qkv, H, Kh, D, segs, nseg, scale, out);
+  attention_groups<Groups512>(qkv, H, Kh, D, segs, nseg, scale, out);
 #else
-  attention(qkv, H, Kh, D, segs, nseg, scale, out);
+  attention_groups<Groups256>(qkv, H, Kh, D, segs, nseg, scale, out);
 #endif
 }
 
@@ -1003,6 +1181,15 @@ void goose_attention(const float* qkv, int64_t n, int64_t H, int64_t Kh, int64_t
                      float scale, float* out) {
   const Segment seg{n, 0, cos, sin, keys, vals, cap, p, allowed};
   attention_best(qkv, H, Kh, D, &seg, 1, scale, out);
+}
+
+// goose_attention in the plain arrangement (`attention`: one token's query heads per work item), the bit
+// reference of the grouped kernels, which give the same bits (for tests and benchmarks).
+void goose_attention_plain(const float* qkv, int64_t n, int64_t H, int64_t Kh, int64_t D, const float* cos,
+                           const float* sin, float* keys, float* vals, int64_t cap, int64_t p, const uint8_t* allowed,
+                           float scale, float* out) {
+  const Segment seg{n, 0, cos, sin, keys, vals, cap, p, allowed};
+  attention(qkv, H, Kh, D, &seg, 1, scale, out);
 }
 
 // The same for several sequences in one call (one parallel region): segment s's tokens are rows

@@ -62,7 +62,7 @@ VARIANTS = {
 }
 ORDER = ("avx512", "avx2")
 PANEL = 16  # output columns per packed panel (must match kPanel in the source)
-ABI = 8  # goose_kernels_abi() of this version of the source
+ABI = 9  # goose_kernels_abi() of this version of the source
 ENV_SWITCH = "GOOSE_CPU_KERNEL"
 ENV_VARIANT = "GOOSE_KERNEL_VARIANT"
 
@@ -209,6 +209,7 @@ class CpuKernels:
         self._attn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+        self._lib = lib  # goose_attention_plain is bound on first use (a benchmark may load an older source)
         self._attn_batch = lib.goose_attention_batch
         self._attn_batch.restype = None
         self._attn_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -328,14 +329,19 @@ class CpuKernels:
         return vals, ids
 
     def attention_step(self, n_heads: int, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, prefix: int,
-                       allowed: torch.Tensor | None, scale: float) -> AttentionStep:
+                       allowed: torch.Tensor | None, scale: float, *, plain: bool = False) -> AttentionStep:
         """Attention for the ``n`` new tokens of one forward, on every layer of a static KV cache
         ``cache [layers, 2 (keys, values), Kh, capacity, D]`` holding ``prefix`` tokens: rotary embedding
         (``cos, sin [n, D]``, Hugging Face's rotate_half convention), cache write at ``prefix..prefix+n-1``,
         scores, softmax, weighted sum. ``allowed [n, n]`` (bool): which new tokens each one sees (None:
         causal; each token must see itself). Everything is checked here once; the returned step is then called
-        per layer."""
-        return AttentionStep(self._attn, n_heads, cos, sin, cache, prefix, allowed, scale)
+        per layer. ``plain=True`` runs the plain arrangement (one token's query heads per work item), the bit
+        reference that the default grouped one matches (for tests and benchmarks)."""
+        fn = self._attn
+        if plain:
+            fn = self._lib.goose_attention_plain
+            fn.restype, fn.argtypes = None, self._attn.argtypes
+        return AttentionStep(fn, n_heads, cos, sin, cache, prefix, allowed, scale)
 
     def attention_batch(self, steps: list["AttentionStep"]) -> "AttentionBatch":
         """The attention of several sequences' steps (from `attention_step`, same heads, layers and scale),
