@@ -209,7 +209,10 @@ class CpuKernels:
         self._attn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
-        self._lib = lib  # goose_attention_plain is bound on first use (a benchmark may load an older source)
+        # the plain arrangement (bit reference); absent from an older source a benchmark may load (--baseline)
+        self._attn_plain = getattr(lib, "goose_attention_plain", None)
+        if self._attn_plain is not None:
+            self._attn_plain.restype, self._attn_plain.argtypes = None, self._attn.argtypes
         self._attn_batch = lib.goose_attention_batch
         self._attn_batch.restype = None
         self._attn_batch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -339,8 +342,9 @@ class CpuKernels:
         reference that the default grouped one matches (for tests and benchmarks)."""
         fn = self._attn
         if plain:
-            fn = self._lib.goose_attention_plain
-            fn.restype, fn.argtypes = None, self._attn.argtypes
+            if self._attn_plain is None:
+                raise ValueError("this kernel library has no plain attention (goose_attention_plain)")
+            fn = self._attn_plain
         return AttentionStep(fn, n_heads, cos, sin, cache, prefix, allowed, scale)
 
     def attention_batch(self, steps: list["AttentionStep"]) -> "AttentionBatch":
