@@ -227,7 +227,8 @@ def test_activation_quantization_matches_numpy(variant):
 def test_linear_equals_numpy_reference_bit_for_bit(variant, fmt):
     kern = int8.kernels(variant)
     odd = 288 if quant.FORMATS[fmt][1] == 32 else 768  # 288: 9 groups, an odd count (the AMX loop runs pairs)
-    for n, k, m in ((37, 512, 1), (48, 256, 9), (16, 768, 3), (40, odd, 13), (33, 512, 16), (40, odd, 21)):
+    for n, k, m in ((37, 512, 1), (48, 256, 9), (16, 768, 3), (40, odd, 13), (33, 512, 16), (40, odd, 21),
+                    (24, odd, 37)):
         raw, w = weight(fmt, n, k)
         x = _x(m, k, n + m)
         y = kern.linear(x, w, n)
@@ -240,6 +241,32 @@ def test_linear_equals_numpy_reference_bit_for_bit(variant, fmt):
     # close to the float32 product (8-bit activations: a relative error of a few parts per thousand)
     exact = x @ torch.from_numpy(quant.kernels().rows(w, torch.arange(n)).numpy()).T
     assert (y - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+# the quant bytes of each format's GGUF block set to the largest integer weights (Q8_0: -128, the largest |w|)
+EXTREME = {"Q8_0": [(2, 34, 0x80)], "Q4_0": [(2, 18, 0xFF)], "Q4_1": [(4, 20, 0xFF)], "Q4_K": [(16, 144, 0xFF)],
+           "Q6_K": [(0, 192, 0xFF)]}
+
+
+@needs_int8
+@pytest.mark.parametrize("fmt", FMTS)
+def test_largest_integer_sums_are_exact(fmt):
+    """Every weight and activation at its largest magnitude: the largest integer sums a kernel forms (int16 sums
+    inside a group on AVX2 included) stay exact, with the rows on every path (few rows, many rows)."""
+    _, block, bbytes = quant.FORMATS[fmt]
+    n, k = 40, 2 * block if block == 256 else 256
+    raw = random_blocks(fmt, n, k, np.random.default_rng(5)).reshape(n, -1, bbytes)
+    for lo, hi, byte in EXTREME[fmt]:
+        raw[:, :, lo:hi] = byte
+    raw = raw.reshape(n, -1)
+    w = quant.kernels().pack(fmt, list(raw), k)
+    x = torch.ones(40, k)
+    x[1::2] = -1  # q = 127 and q = -127 in every block
+    x[2, :] = torch.linspace(-1, 1, k)
+    for v in VARIANTS:
+        for m in (1, 8, 40):
+            y = int8.kernels(v).linear(x[:m], w, n)
+            assert torch.equal(bits(y), bits(torch.from_numpy(linear_ref(fmt, raw, x[:m].numpy())))), (v, m)
 
 
 @needs_int8

@@ -393,6 +393,179 @@ inline void rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, f
   }
 }
 
+#if !defined(__AVX512F__) && !GOOSE_VNNI
+#define GOOSE_PANELS 1
+// ---- AVX2 (vpmaddubsw), calls of at least panel_rows<F>() rows: weights unpacked once per panel ----
+// Per call and 16-column panel, the weights become vpmaddubsw operands once, in a per-thread scratch: per
+// group the unpacked quants of both 8-column halves (nibble formats: low, high; Q8_0: |w|, w), then the
+// group's scales (and offsets) as float32. Tiles of up to kPanelTile rows then run over the groups, row by row
+// within a group (a row's activation broadcast serves both halves; the operands are re-read from L1). Within a
+// group the products are summed in int16 where no sum can reach 2^15 and widened to int32 once by vpmaddwd:
+// nibble formats, 16 products per lane of at most 15 * 127 (30480); Q6_K, 4 products of at most 63 * 127
+// (32004); Q8_0 widens each vpmaddubsw (2 products of at most 128 * 127). The integer sums are exact, so every
+// output has the float chain described at the top: the bits of `tile`.
+constexpr int kPanelTile = 4;
+
+// The fewest rows for which unpacking a panel once pays (measured on Zen 3, benchmarks/int8_cost.py): Q8_0's
+// unpacked operands (|w| and w: 1 KB per group) cost more to store than its rows gain below 32 rows.
+template <int F>
+constexpr int panel_rows() {
+  return F == kQ8_0 ? 32 : 6;
+}
+
+// ymm operands per group (both halves)
+template <int F>
+constexpr int panel_vecs() {
+  return F == kQ8_0 ? 32 : (F == kQ6_K ? 8 : 16);
+}
+
+// Scratch of one panel: group g's operands at w + g * panel_vecs, its 16 scales at s + 16 g, offsets (Q4_1,
+// Q4_K) at o + 16 g.
+struct PanelScratch {
+  __m256i* w;
+  float *s, *o;
+};
+
+template <int F>
+void panel_unpack(const uint8_t* packed, int64_t groups, const PanelScratch& ps) {
+  constexpr int GB = group_bytes(F), HB = kInfo[F].header, NV = panel_vecs<F>();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* h = packed + g * GB;
+    const uint8_t* q = h + HB;
+    __m256i* w = ps.w + g * NV;
+    if constexpr (nibbles(F)) {
+      for (int t = 0; t < 4; ++t) {
+        const I v = wload(q + 64 * t), lo = lo4(v), hi = hi4(v);
+        w[4 * t] = lo.a, w[4 * t + 1] = lo.b, w[4 * t + 2] = hi.a, w[4 * t + 3] = hi.b;
+      }
+    } else if constexpr (F == kQ6_K) {
+      for (int t = 0; t < 4; ++t) {
+        const I v = wload(q + 64 * t);
+        w[2 * t] = v.a, w[2 * t + 1] = v.b;
+      }
+    } else {
+      for (int t = 0; t < 8; ++t) {
+        const I v = wload(q + 64 * t), u = qabs(v);
+        w[4 * t] = u.a, w[4 * t + 1] = u.b, w[4 * t + 2] = v.a, w[4 * t + 3] = v.b;
+      }
+    }
+    V s, o;
+    header<F>(h, s, o);
+    _mm256_store_ps(ps.s + 16 * g, s.a);
+    _mm256_store_ps(ps.s + 16 * g + 8, s.b);
+    if constexpr (has_offset(F)) {
+      _mm256_store_ps(ps.o + 16 * g, o.a);
+      _mm256_store_ps(ps.o + 16 * g + 8, o.b);
+    }
+  }
+}
+
+inline __m256i bcast4(const uint8_t* p) {
+  int32_t t;
+  memcpy(&t, p, 4);
+  return _mm256_set1_epi32(t);
+}
+inline __m256i ld(const __m256i* p) { return _mm256_load_si256(p); }
+inline __m256i mub(const __m256i* u, __m256i s) { return _mm256_maddubs_epi16(_mm256_load_si256(u), s); }
+
+// R rows (from m0) times one panel (its scratch) -> y, as `tile`.
+template <int F, int R>
+void panel_tile(const Act& a, int64_t m0, int64_t groups, const PanelScratch& ps, float* y, int64_t ldy, int cols,
+                const float* bias, bool accumulate) {
+  constexpr int G = kInfo[F].group, NV = panel_vecs<F>();
+  const uint8_t* xq = a.q.data() + m0 * a.ldq;
+  const float* xd = a.d.data() + m0;
+  const float* xs = has_offset(F) ? a.ds.data() + m0 : nullptr;
+  const int32_t* xc = a.ic.data() + m0;
+  const int64_t ldq = a.ldq;
+  const __m256i ones = _mm256_set1_epi16(1);
+  V acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i* v = ps.w + g * NV;
+    const uint8_t* xg = xq + g * G;
+    const V sg = vload(ps.s + 16 * g);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* x = xg + r * ldq;
+      I ia;
+      if constexpr (nibbles(F)) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          const __m256i b0 = bcast4(x + 8 * t), b1 = bcast4(x + 8 * t + 4);
+          s0 = _mm256_add_epi16(s0, _mm256_add_epi16(mub(v + 4 * t, b0), mub(v + 4 * t + 2, b1)));
+          s1 = _mm256_add_epi16(s1, _mm256_add_epi16(mub(v + 4 * t + 1, b0), mub(v + 4 * t + 3, b1)));
+        }
+        ia = {_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones)};
+      } else if constexpr (F == kQ6_K) {
+        ia = izero();
+#pragma GCC unroll 2
+        for (int t = 0; t < 4; t += 2) {
+          const __m256i b0 = bcast4(x + 4 * t), b1 = bcast4(x + 4 * t + 4);
+          ia.a = _mm256_add_epi32(ia.a, _mm256_madd_epi16(_mm256_add_epi16(mub(v + 2 * t, b0), mub(v + 2 * t + 2, b1)), ones));
+          ia.b = _mm256_add_epi32(ia.b,
+                                  _mm256_madd_epi16(_mm256_add_epi16(mub(v + 2 * t + 1, b0), mub(v + 2 * t + 3, b1)), ones));
+        }
+      } else {  // Q8_0: |w| times x * sign(w)
+        ia = izero();
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          const __m256i b = bcast4(x + 4 * t);
+          ia.a = _mm256_add_epi32(ia.a, _mm256_madd_epi16(mub(v + 4 * t, _mm256_sign_epi8(b, ld(v + 4 * t + 2))), ones));
+          ia.b = _mm256_add_epi32(ia.b, _mm256_madd_epi16(mub(v + 4 * t + 1, _mm256_sign_epi8(b, ld(v + 4 * t + 3))), ones));
+        }
+      }
+      if constexpr (F == kQ4_0 || F == kQ6_K) ia = isub(ia, iset(-xc[g * a.ldm + r]));
+      acc[r] = vfma(vcvt(ia), vmul(sg, vset(xd[g * a.ldm + r])), acc[r]);
+      if constexpr (has_offset(F)) acc[r] = vfma(vload(ps.o + 16 * g), vset(xs[g * a.ldm + r]), acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) store(y + r * ldy, acc[r], cols, bias, accumulate);
+}
+
+template <int F>
+void linear_panels(const Act& a, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
+                   bool acc) {
+  constexpr int NV = panel_vecs<F>();
+  const int64_t groups = K / kInfo[F].group, panels = (N + kCols - 1) / kCols;
+  const int64_t pbytes = groups * group_bytes(F);
+  const int64_t tiles = (M + kPanelTile - 1) / kPanelTile;  // rows spread evenly over the fewest tiles
+#pragma omp parallel
+  {
+    PanelScratch ps;
+    ps.w = static_cast<__m256i*>(aligned_alloc(32, groups * NV * sizeof(__m256i)));
+    ps.s = static_cast<float*>(aligned_alloc(32, groups * 16 * sizeof(float)));
+    ps.o = has_offset(F) ? static_cast<float*>(aligned_alloc(32, groups * 16 * sizeof(float))) : nullptr;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
+      const uint8_t* w = packed + p * pbytes;
+      panel_unpack<F>(w, groups, ps);
+      if (p + 1 < panels)  // the next panel's weights arrive in L2 while this one computes (L1 holds the scratch)
+        for (int64_t off = 0; off < pbytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(w + pbytes + off), _MM_HINT_T1);
+      const float* b = bias ? bias + p * kCols : nullptr;
+      for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
+        r = (M - m) / (tiles - i);
+        float* yp = y + m * N + p * kCols;
+        switch (r) {
+          case 4: panel_tile<F, 4>(a, m, groups, ps, yp, N, cols, b, acc); break;
+          case 3: panel_tile<F, 3>(a, m, groups, ps, yp, N, cols, b, acc); break;
+          case 2: panel_tile<F, 2>(a, m, groups, ps, yp, N, cols, b, acc); break;
+          default: panel_tile<F, 1>(a, m, groups, ps, yp, N, cols, b, acc); break;
+        }
+      }
+    }
+    free(ps.w);
+    free(ps.s);
+    free(ps.o);
+  }
+}
+#endif
+
 #if GOOSE_AMX
 // ---- AMX-INT8: the integer dot products of up to 16 rows x 16 columns of a group in one tile op ----
 struct TileConfig {
@@ -563,6 +736,12 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
   }
 #endif
   quantize<F>(x, M, K, a, kOffsetQ8);
+#if GOOSE_PANELS
+  if (M >= panel_rows<F>()) {
+    linear_panels<F>(a, M, K, packed, N, bias, y, acc);
+    return;
+  }
+#endif
   const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
   const int64_t tiles = (M + kTile - 1) / kTile;  // rows spread evenly over the fewest tiles
