@@ -23,8 +23,8 @@ instruction, pipelined two groups deep; fewer rows run as ``vnni512``; Linux mus
 rest; calls of 6 rows or more, 32 for Q8_0, unpack each 16-column panel's weights once per call and sum a
 group's products in int16 before widening). All give the same bits. ``GOOSE_INT8_VARIANT=<name>`` drops
 the ones above <name> (for comparisons and tests), and ``GOOSE_KERNEL_VARIANT=avx2`` (goose's float kernels on
-AVX2) caps these at ``avx2`` too. Built once per variant and machine into ``$XDG_CACHE_HOME/goose/kernels/`` like goose's other kernels
-(`goose.backends.cpukernel`); ``GOOSE_CPU_KERNEL=0`` switches them off.
+AVX2) caps these at ``avx2`` too. Built once per variant and machine into ``$XDG_CACHE_HOME/goose/kernels/``
+like goose's other kernels (`goose.backends.cpukernel`); ``GOOSE_CPU_KERNEL=0`` switches them off.
 """
 
 from __future__ import annotations
