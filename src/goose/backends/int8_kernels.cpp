@@ -566,6 +566,118 @@ void linear_panels(const Act& a, int64_t M, int64_t K, const uint8_t* packed, in
 }
 #endif
 
+#if GOOSE_PANELS
+// ---- AVX2, nibble formats, calls of fewer than panel_rows<F>() rows: pairs of byte rows, no transpose ----
+// A panel's 64 bytes of quants (4 byte rows j x 16 columns, see wload) are read as two ymm, [j0 | j1] and
+// [j2 | j3]; one vpunpck{l,h}bw gives, per 16-bit lane, one column's bytes of rows (j0, j2) (low 128 bits) or
+// (j1, j3) (high): 16 lanes, 8 columns, without the transpose of wload. The activation operand of those lanes
+// is expanded once per call (PairAct: per 4 activation bytes x[j] of a nibble slice, 32 bytes holding
+// (x[0], x[2]) 8 times, then (x[1], x[3]) 8 times), so vpmaddubsw reads it from memory. A lane sums 16 products
+// of at most 15 * 127 per group in int16 (30480), then the two 128-bit halves, widened, are added per column.
+struct PairAct {
+  std::vector<uint8_t> bytes;  // [row][K / 4] operands of 32 bytes
+  int64_t ld = 0;              // operands per row
+  const __m256i* x() const { return reinterpret_cast<const __m256i*>(bytes.data()); }
+};
+
+void expand_pairs(const Act& a, int64_t M, int64_t K, PairAct& e) {
+  e.ld = K / 4;
+  e.bytes.resize(M * e.ld * 32);
+  __m256i* out = reinterpret_cast<__m256i*>(e.bytes.data());
+  const __m256i order = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3,
+                                         1, 3, 1, 3, 1, 3);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < e.ld; ++i) {
+      int32_t t;
+      memcpy(&t, a.q.data() + m * a.ldq + 4 * i, 4);
+      _mm256_storeu_si256(out + m * e.ld + i, _mm256_shuffle_epi8(_mm256_set1_epi32(t), order));
+    }
+}
+
+// the 8 int32 column sums of 16 int16 lanes (low half: rows j0, j2; high: j1, j3)
+inline __m256i widen_pairs(__m256i s) {
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s)),
+                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s, 1)));
+}
+
+// R rows (from m0) times one panel w -> y, as `tile` (nibble formats).
+template <int F, int R>
+void pair_tile(const Act& a, const PairAct& e, int64_t m0, int64_t K, const uint8_t* w, float* y, int64_t ldy,
+               int cols, const float* bias, bool accumulate, bool prefetch) {
+  constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
+  const int64_t groups = K / G;
+  const float* xd = a.d.data() + m0;
+  const float* xs = has_offset(F) ? a.ds.data() + m0 : nullptr;
+  const int32_t* xc = a.ic.data() + m0;
+  const __m256i* xe = e.x() + m0 * e.ld;
+  const __m256i m15 = _mm256_set1_epi8(15);
+  V acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* h = w + g * GB;
+    if (prefetch)
+      for (int off = 0; off < GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 2 * GB + off), _MM_HINT_T0);
+    const uint8_t* q = h + HB;
+    __m256i sa[R], sb[R];
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * t));
+      const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * t + 32));
+      const __m256i t1 = _mm256_unpacklo_epi8(A, B), t2 = _mm256_unpackhi_epi8(A, B);
+      const __m256i l1 = _mm256_and_si256(t1, m15), h1 = _mm256_and_si256(_mm256_srli_epi16(t1, 4), m15);
+      const __m256i l2 = _mm256_and_si256(t2, m15), h2 = _mm256_and_si256(_mm256_srli_epi16(t2, 4), m15);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i* x = xe + r * e.ld + g * (G / 4) + 2 * t;
+        const __m256i xl = _mm256_loadu_si256(x), xh = _mm256_loadu_si256(x + 1);
+        const __m256i pa = _mm256_add_epi16(_mm256_maddubs_epi16(l1, xl), _mm256_maddubs_epi16(h1, xh));
+        const __m256i pb = _mm256_add_epi16(_mm256_maddubs_epi16(l2, xl), _mm256_maddubs_epi16(h2, xh));
+        sa[r] = t ? _mm256_add_epi16(sa[r], pa) : pa;
+        sb[r] = t ? _mm256_add_epi16(sb[r], pb) : pb;
+      }
+    }
+    V s, o;
+    header<F>(h, s, o);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      I ia{widen_pairs(sa[r]), widen_pairs(sb[r])};
+      if constexpr (F == kQ4_0) ia = isub(ia, iset(-xc[g * a.ldm + r]));
+      acc[r] = vfma(vcvt(ia), vmul(s, vset(xd[g * a.ldm + r])), acc[r]);
+      if constexpr (has_offset(F)) acc[r] = vfma(o, vset(xs[g * a.ldm + r]), acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) store(y + r * ldy, acc[r], cols, bias, accumulate);
+}
+
+template <int F>
+void linear_pairs(const Act& a, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
+                  bool acc) {
+  PairAct e;
+  expand_pairs(a, M, K, e);
+  const int64_t panels = (N + kCols - 1) / kCols;
+  const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
+  const int64_t tiles = (M + kTile - 1) / kTile;  // rows spread evenly over the fewest tiles
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
+    const float* b = bias ? bias + p * kCols : nullptr;
+    for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
+      r = (M - m) / (tiles - i);
+      const uint8_t* w = packed + p * pbytes;
+      float* yp = y + m * N + p * kCols;
+      switch (r) {
+        case 4: pair_tile<F, 4>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
+        case 3: pair_tile<F, 3>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
+        case 2: pair_tile<F, 2>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
+        default: pair_tile<F, 1>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
+      }
+    }
+  }
+}
+#endif
+
 #if GOOSE_AMX
 // ---- AMX-INT8: the integer dot products of up to 16 rows x 16 columns of a group in one tile op ----
 struct TileConfig {
@@ -739,6 +851,10 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
 #if GOOSE_PANELS
   if (M >= panel_rows<F>()) {
     linear_panels<F>(a, M, K, packed, N, bias, y, acc);
+    return;
+  }
+  if constexpr (nibbles(F)) {
+    linear_pairs<F>(a, M, K, packed, N, bias, y, acc);
     return;
   }
 #endif
