@@ -20,8 +20,9 @@ calls of 12 rows or more: per weight group the integer products of up to 16 rows
 instruction, pipelined two groups deep; fewer rows run as ``vnni512``; Linux must grant the tile state),
 ``vnni512`` (AVX-512 F/BW/VL + AVX512-VNNI + AVX512-VBMI: 16 columns per register, up to 8 rows per tile),
 ``avxvnni`` (AVX2 + AVX-VNNI, ``vpdpbusd`` on 8 lanes), ``avx2`` (AVX2 ``vpmaddubsw``; FMA and F16C for the
-rest; calls of 6 rows or more, 32 for Q8_0, unpack each 16-column panel's weights once per call and sum a
-group's products in int16 before widening). All give the same bits. ``GOOSE_INT8_VARIANT=<name>`` drops
+rest; nibble formats below 6 rows read each 64 bytes of quants as two pairs of byte rows against activation
+operands expanded once per call; 6 rows or more (Q8_0: 32) unpack each 16-column panel's weights once per call;
+both sum a group's products in int16 before widening). All give the same bits. ``GOOSE_INT8_VARIANT=<name>`` drops
 the ones above <name> (for comparisons and tests), and ``GOOSE_KERNEL_VARIANT=avx2`` (goose's float kernels on
 AVX2) caps these at ``avx2`` too. Built once per variant and machine into ``$XDG_CACHE_HOME/goose/kernels/``
 like goose's other kernels (`goose.backends.cpukernel`); ``GOOSE_CPU_KERNEL=0`` switches them off.

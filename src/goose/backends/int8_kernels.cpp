@@ -393,8 +393,14 @@ inline void rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, f
   }
 }
 
+// The plain AVX2 build (vpmaddubsw, no VNNI) has two more arrangements of the same arithmetic, below.
 #if !defined(__AVX512F__) && !GOOSE_VNNI
-#define GOOSE_PANELS 1
+#define GOOSE_MADDUBS 1
+#else
+#define GOOSE_MADDUBS 0
+#endif
+
+#if GOOSE_MADDUBS
 // ---- AVX2 (vpmaddubsw), calls of at least panel_rows<F>() rows: weights unpacked once per panel ----
 // Per call and 16-column panel, the weights become vpmaddubsw operands once, in a per-thread scratch: per
 // group the unpacked quants of both 8-column halves (nibble formats: low, high; Q8_0: |w|, w), then the
@@ -406,8 +412,8 @@ inline void rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, f
 // output has the float chain described at the top: the bits of `tile`.
 constexpr int kPanelTile = 4;
 
-// The fewest rows for which unpacking a panel once pays (measured on Zen 3, benchmarks/int8_cost.py): Q8_0's
-// unpacked operands (|w| and w: 1 KB per group) cost more to store than its rows gain below 32 rows.
+// The fewest rows for which unpacking a panel once pays (measured on Zen 3 with benchmarks/int8_cost.py's
+// shapes): Q8_0's unpacked operands (|w| and w: 1 KB per group) cost more to store than its rows gain below 32.
 template <int F>
 constexpr int panel_rows() {
   return F == kQ8_0 ? 32 : 6;
@@ -465,7 +471,7 @@ inline __m256i bcast4(const uint8_t* p) {
   memcpy(&t, p, 4);
   return _mm256_set1_epi32(t);
 }
-inline __m256i ld(const __m256i* p) { return _mm256_load_si256(p); }
+// vpmaddubsw of the unsigned operand at u (scratch) and s
 inline __m256i mub(const __m256i* u, __m256i s) { return _mm256_maddubs_epi16(_mm256_load_si256(u), s); }
 
 // R rows (from m0) times one panel (its scratch) -> y, as `tile`.
@@ -504,17 +510,20 @@ void panel_tile(const Act& a, int64_t m0, int64_t groups, const PanelScratch& ps
 #pragma GCC unroll 2
         for (int t = 0; t < 4; t += 2) {
           const __m256i b0 = bcast4(x + 4 * t), b1 = bcast4(x + 4 * t + 4);
-          ia.a = _mm256_add_epi32(ia.a, _mm256_madd_epi16(_mm256_add_epi16(mub(v + 2 * t, b0), mub(v + 2 * t + 2, b1)), ones));
-          ia.b = _mm256_add_epi32(ia.b,
-                                  _mm256_madd_epi16(_mm256_add_epi16(mub(v + 2 * t + 1, b0), mub(v + 2 * t + 3, b1)), ones));
+          const __m256i pa = _mm256_add_epi16(mub(v + 2 * t, b0), mub(v + 2 * t + 2, b1));
+          const __m256i pb = _mm256_add_epi16(mub(v + 2 * t + 1, b0), mub(v + 2 * t + 3, b1));
+          ia.a = _mm256_add_epi32(ia.a, _mm256_madd_epi16(pa, ones));
+          ia.b = _mm256_add_epi32(ia.b, _mm256_madd_epi16(pb, ones));
         }
       } else {  // Q8_0: |w| times x * sign(w)
         ia = izero();
 #pragma GCC unroll 8
         for (int t = 0; t < 8; ++t) {
           const __m256i b = bcast4(x + 4 * t);
-          ia.a = _mm256_add_epi32(ia.a, _mm256_madd_epi16(mub(v + 4 * t, _mm256_sign_epi8(b, ld(v + 4 * t + 2))), ones));
-          ia.b = _mm256_add_epi32(ia.b, _mm256_madd_epi16(mub(v + 4 * t + 1, _mm256_sign_epi8(b, ld(v + 4 * t + 3))), ones));
+          const __m256i pa = mub(v + 4 * t, _mm256_sign_epi8(b, _mm256_load_si256(v + 4 * t + 2)));
+          const __m256i pb = mub(v + 4 * t + 1, _mm256_sign_epi8(b, _mm256_load_si256(v + 4 * t + 3)));
+          ia.a = _mm256_add_epi32(ia.a, _mm256_madd_epi16(pa, ones));
+          ia.b = _mm256_add_epi32(ia.b, _mm256_madd_epi16(pb, ones));
         }
       }
       if constexpr (F == kQ4_0 || F == kQ6_K) ia = isub(ia, iset(-xc[g * a.ldm + r]));
@@ -564,9 +573,7 @@ void linear_panels(const Act& a, int64_t M, int64_t K, const uint8_t* packed, in
     free(ps.o);
   }
 }
-#endif
 
-#if GOOSE_PANELS
 // ---- AVX2, nibble formats, calls of fewer than panel_rows<F>() rows: pairs of byte rows, no transpose ----
 // A panel's 64 bytes of quants (4 byte rows j x 16 columns, see wload) are read as two ymm, [j0 | j1] and
 // [j2 | j3]; one vpunpck{l,h}bw gives, per 16-bit lane, one column's bytes of rows (j0, j2) (low 128 bits) or
@@ -848,7 +855,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
   }
 #endif
   quantize<F>(x, M, K, a, kOffsetQ8);
-#if GOOSE_PANELS
+#if GOOSE_MADDUBS
   if (M >= panel_rows<F>()) {
     linear_panels<F>(a, M, K, packed, N, bias, y, acc);
     return;
