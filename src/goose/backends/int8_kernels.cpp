@@ -393,6 +393,21 @@ inline void rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, f
   }
 }
 
+// Every 16-column panel (the threads split the panels) times the M rows in tiles of at most `tile` rows,
+// spread evenly over the fewest tiles: run(r, m, p, cols) for the r rows from m on panel p (cols columns).
+template <typename Run>
+void each_tile(int64_t M, int64_t N, int tile, const Run& run) {
+  const int64_t panels = (N + kCols - 1) / kCols, tiles = (M + tile - 1) / tile;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
+    for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
+      r = (M - m) / (tiles - i);
+      run(static_cast<int>(r), m, p, cols);
+    }
+  }
+}
+
 // The plain AVX2 build (vpmaddubsw, no VNNI) has two more arrangements of the same arithmetic, below.
 #if !defined(__AVX512F__) && !GOOSE_VNNI
 #define GOOSE_MADDUBS 1
@@ -663,25 +678,18 @@ void linear_pairs(const Act& a, int64_t M, int64_t K, const uint8_t* packed, int
                   bool acc) {
   PairAct e;
   expand_pairs(a, M, K, e);
-  const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
-  const int64_t tiles = (M + kTile - 1) / kTile;  // rows spread evenly over the fewest tiles
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
+  each_tile(M, N, kTile, [&](int r, int64_t m, int64_t p, int cols) {
+    const uint8_t* w = packed + p * pbytes;
     const float* b = bias ? bias + p * kCols : nullptr;
-    for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
-      r = (M - m) / (tiles - i);
-      const uint8_t* w = packed + p * pbytes;
-      float* yp = y + m * N + p * kCols;
-      switch (r) {
-        case 4: pair_tile<F, 4>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
-        case 3: pair_tile<F, 3>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
-        case 2: pair_tile<F, 2>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
-        default: pair_tile<F, 1>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
-      }
+    float* yp = y + m * N + p * kCols;
+    switch (r) {
+      case 4: pair_tile<F, 4>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
+      case 3: pair_tile<F, 3>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
+      case 2: pair_tile<F, 2>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
+      default: pair_tile<F, 1>(a, e, m, K, w, yp, N, cols, b, acc, m == 0); break;
     }
-  }
+  });
 }
 #endif
 
@@ -865,18 +873,11 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
     return;
   }
 #endif
-  const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
-  const int64_t tiles = (M + kTile - 1) / kTile;  // rows spread evenly over the fewest tiles
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
-    const float* b = bias ? bias + p * kCols : nullptr;
-    for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
-      r = (M - m) / (tiles - i);
-      rows<F>(static_cast<int>(r), a, m, K, packed + p * pbytes, y + m * N + p * kCols, N, cols, b, acc, m == 0);
-    }
-  }
+  each_tile(M, N, kTile, [&](int r, int64_t m, int64_t p, int cols) {
+    rows<F>(r, a, m, K, packed + p * pbytes, y + m * N + p * kCols, N, cols, bias ? bias + p * kCols : nullptr, acc,
+            m == 0);
+  });
 }
 
 // in(x) for the rows of x, written to buf [M, K]: the source of quant_kernels.cpp's `prepare`.
