@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <memory>
 #include <vector>
 
 #if defined(__AMX_INT8__)
@@ -72,6 +73,7 @@ struct V {
 };
 inline I izero() { return {_mm512_setzero_si512()}; }
 inline I iset(int32_t a) { return {_mm512_set1_epi32(a)}; }
+inline I iadd(I a, I b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline I isub(I a, I b) { return {_mm512_sub_epi32(a.v, b.v)}; }
 inline I ishl7(I a) { return {_mm512_slli_epi32(a.v, 7)}; }
 inline I bcast(const uint8_t* p) {
@@ -115,6 +117,7 @@ struct V {
 };
 inline I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline I iset(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
+inline I iadd(I x, I y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
 inline I isub(I x, I y) { return {_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)}; }
 inline I ishl7(I x) { return {_mm256_slli_epi32(x.a, 7), _mm256_slli_epi32(x.b, 7)}; }
 inline I bcast(const uint8_t* p) {
@@ -277,6 +280,7 @@ void quantize(const float* x, int64_t M, int64_t K, Act& a, bool offset8) {
 
 template <int F>
 inline void header(const uint8_t* h, V& s, V& o) {
+  o = vzero();  // (no offset: unused)
   if constexpr (F == kQ8_0 || F == kQ4_0) {
     s = vhalf(h);
   } else if constexpr (F == kQ4_1) {
@@ -302,6 +306,25 @@ inline void store(float* y, V a, int cols, const float* bias, bool accumulate) {
   if (cols != kCols) memcpy(y, buf, sizeof(float) * cols);
 }
 
+// One step of an output's float chain (the top of this file): group g of activation row m, whose exact
+// integer dot product with the group's quants is ia (before the format's correction -c * S), the group's
+// scales s and offsets o (Q4_1, Q4_K). Every arrangement below runs its chains through this one function.
+template <int F>
+inline V chain(V acc, I ia, V s, V o, const Act& a, int64_t m, int64_t g) {
+  const int64_t at = g * a.ldm + m;
+  if constexpr (F == kQ4_0 || F == kQ6_K) ia = iadd(ia, iset(a.ic[at]));
+  acc = vfma(vcvt(ia), vmul(s, vset(a.d[at])), acc);
+  if constexpr (has_offset(F)) acc = vfma(o, vset(a.ds[at]), acc);
+  return acc;
+}
+
+// The weight stream of a row tile: group g + 2's bytes asked into L1 while group g (header at h) computes.
+template <int F>
+inline void prefetch_ahead(const uint8_t* h) {
+  constexpr int GB = group_bytes(F);
+  for (int off = 0; off < GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 2 * GB + off), _MM_HINT_T0);
+}
+
 // R rows (starting at row m0 of the activations) times one panel w -> y (stride ldy).
 template <int F, int R>
 void tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64_t ldy, int cols, const float* bias,
@@ -309,20 +332,16 @@ void tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64
   constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
   const int64_t groups = K / G;
   const uint8_t* xq = a.q.data() + m0 * a.ldq;
-  const float* xd = a.d.data() + m0;
-  const float* xs = has_offset(F) ? a.ds.data() + m0 : nullptr;
-  const int32_t* xc = a.ic.data() + m0;
   V acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* h = w + g * GB;
-    if (prefetch)
-      for (int off = 0; off < GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 2 * GB + off), _MM_HINT_T0);
+    if (prefetch) prefetch_ahead<F>(h);
     const uint8_t* q = h + HB;
     I ia[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) ia[r] = F == kQ4_0 || F == kQ6_K ? iset(xc[g * a.ldm + r]) : izero();
+    for (int r = 0; r < R; ++r) ia[r] = izero();
     const uint8_t* xg = xq + g * G;
     if constexpr (nibbles(F)) {
 #pragma GCC unroll 4
@@ -367,10 +386,7 @@ void tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64
     V s, o;
     header<F>(h, s, o);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      acc[r] = vfma(vcvt(ia[r]), vmul(s, vset(xd[g * a.ldm + r])), acc[r]);
-      if constexpr (has_offset(F)) acc[r] = vfma(o, vset(xs[g * a.ldm + r]), acc[r]);
-    }
+    for (int r = 0; r < R; ++r) acc[r] = chain<F>(acc[r], ia[r], s, o, a, m0 + r, g);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) store(y + r * ldy, acc[r], cols, bias, accumulate);
@@ -495,9 +511,6 @@ void panel_tile(const Act& a, int64_t m0, int64_t groups, const PanelScratch& ps
                 const float* bias, bool accumulate) {
   constexpr int G = kInfo[F].group, NV = panel_vecs<F>();
   const uint8_t* xq = a.q.data() + m0 * a.ldq;
-  const float* xd = a.d.data() + m0;
-  const float* xs = has_offset(F) ? a.ds.data() + m0 : nullptr;
-  const int32_t* xc = a.ic.data() + m0;
   const int64_t ldq = a.ldq;
   const __m256i ones = _mm256_set1_epi16(1);
   V acc[R];
@@ -506,7 +519,7 @@ void panel_tile(const Act& a, int64_t m0, int64_t groups, const PanelScratch& ps
   for (int64_t g = 0; g < groups; ++g) {
     const __m256i* v = ps.w + g * NV;
     const uint8_t* xg = xq + g * G;
-    const V sg = vload(ps.s + 16 * g);
+    const V sg = vload(ps.s + 16 * g), og = has_offset(F) ? vload(ps.o + 16 * g) : vzero();
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const uint8_t* x = xg + r * ldq;
@@ -541,9 +554,7 @@ void panel_tile(const Act& a, int64_t m0, int64_t groups, const PanelScratch& ps
           ia.b = _mm256_add_epi32(ia.b, _mm256_madd_epi16(pb, ones));
         }
       }
-      if constexpr (F == kQ4_0 || F == kQ6_K) ia = isub(ia, iset(-xc[g * a.ldm + r]));
-      acc[r] = vfma(vcvt(ia), vmul(sg, vset(xd[g * a.ldm + r])), acc[r]);
-      if constexpr (has_offset(F)) acc[r] = vfma(vload(ps.o + 16 * g), vset(xs[g * a.ldm + r]), acc[r]);
+      acc[r] = chain<F>(acc[r], ia, sg, og, a, m0 + r, g);
     }
   }
 #pragma GCC unroll 8
@@ -597,15 +608,15 @@ void linear_panels(const Act& a, int64_t M, int64_t K, const uint8_t* packed, in
 // (x[0], x[2]) 8 times, then (x[1], x[3]) 8 times), so vpmaddubsw reads it from memory. A lane sums 16 products
 // of at most 15 * 127 per group in int16 (30480), then the two 128-bit halves, widened, are added per column.
 struct PairAct {
-  std::vector<uint8_t> bytes;  // [row][K / 4] operands of 32 bytes
-  int64_t ld = 0;              // operands per row
-  const __m256i* x() const { return reinterpret_cast<const __m256i*>(bytes.data()); }
+  std::unique_ptr<uint8_t[]> bytes;  // [row][K / 4] operands of 32 bytes (not zeroed: all written before read)
+  int64_t ld = 0;                    // operands per row
+  const __m256i* x() const { return reinterpret_cast<const __m256i*>(bytes.get()); }
 };
 
 void expand_pairs(const Act& a, int64_t M, int64_t K, PairAct& e) {
   e.ld = K / 4;
-  e.bytes.resize(M * e.ld * 32);
-  __m256i* out = reinterpret_cast<__m256i*>(e.bytes.data());
+  e.bytes.reset(new uint8_t[M * e.ld * 32]);
+  __m256i* out = reinterpret_cast<__m256i*>(e.bytes.get());
   const __m256i order = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3,
                                          1, 3, 1, 3, 1, 3);
   for (int64_t m = 0; m < M; ++m)
@@ -628,9 +639,6 @@ void pair_tile(const Act& a, const PairAct& e, int64_t m0, int64_t K, const uint
                int cols, const float* bias, bool accumulate, bool prefetch) {
   constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
   const int64_t groups = K / G;
-  const float* xd = a.d.data() + m0;
-  const float* xs = has_offset(F) ? a.ds.data() + m0 : nullptr;
-  const int32_t* xc = a.ic.data() + m0;
   const __m256i* xe = e.x() + m0 * e.ld;
   const __m256i m15 = _mm256_set1_epi8(15);
   V acc[R];
@@ -638,8 +646,7 @@ void pair_tile(const Act& a, const PairAct& e, int64_t m0, int64_t K, const uint
   for (int r = 0; r < R; ++r) acc[r] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* h = w + g * GB;
-    if (prefetch)
-      for (int off = 0; off < GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 2 * GB + off), _MM_HINT_T0);
+    if (prefetch) prefetch_ahead<F>(h);
     const uint8_t* q = h + HB;
     __m256i sa[R], sb[R];
 #pragma GCC unroll 4
@@ -662,12 +669,8 @@ void pair_tile(const Act& a, const PairAct& e, int64_t m0, int64_t K, const uint
     V s, o;
     header<F>(h, s, o);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      I ia{widen_pairs(sa[r]), widen_pairs(sb[r])};
-      if constexpr (F == kQ4_0) ia = isub(ia, iset(-xc[g * a.ldm + r]));
-      acc[r] = vfma(vcvt(ia), vmul(s, vset(xd[g * a.ldm + r])), acc[r]);
-      if constexpr (has_offset(F)) acc[r] = vfma(o, vset(xs[g * a.ldm + r]), acc[r]);
-    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = chain<F>(acc[r], I{widen_pairs(sa[r]), widen_pairs(sb[r])}, s, o, a, m0 + r, g);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) store(y + r * ldy, acc[r], cols, bias, accumulate);
@@ -761,9 +764,6 @@ void amx_tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, const uint8
   constexpr int G = kInfo[F].group, GB = group_bytes(F), BB = G / 4 * 64;
   const int64_t groups = K / G;
   const uint8_t* xq = a.q.data() + m0 * a.ldq;
-  const float* xd = a.d.data() + m0;
-  const float* xs = has_offset(F) ? a.ds.data() + m0 : nullptr;
-  const int32_t* xc = a.ic.data() + m0;
   alignas(64) int32_t ct[2][16 * 16];
   V acc[R];
 #pragma GCC unroll 16
@@ -790,12 +790,7 @@ void amx_tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, const uint8
       V s, o;
       header<F>(w + gc * GB, s, o);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        I ia{_mm512_load_si512(c + 16 * r)};
-        if constexpr (F == kQ4_0 || F == kQ6_K) ia = I{_mm512_add_epi32(ia.v, _mm512_set1_epi32(xc[gc * a.ldm + r]))};
-        acc[r] = vfma(vcvt(ia), vmul(s, vset(xd[gc * a.ldm + r])), acc[r]);
-        if constexpr (has_offset(F)) acc[r] = vfma(o, vset(xs[gc * a.ldm + r]), acc[r]);
-      }
+      for (int r = 0; r < R; ++r) acc[r] = chain<F>(acc[r], I{_mm512_load_si512(c + 16 * r)}, s, o, a, m0 + r, gc);
     }
     if (g + 2 < groups) {
       if (g & 1) amx_issue1<F>(xq + (g + 2) * G, a.ldq, bt + (g + 2) * BB);
