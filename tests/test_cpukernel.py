@@ -143,16 +143,18 @@ def reference_attention(qkv, n_heads, cos, sin, cache, layer, prefix, allowed, s
 @needs_kernel
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 12), kh=st.integers(1, 3), group=st.integers(1, 7), d=st.sampled_from([8, 16, 24, 64, 72, 128]),
-       prefix=st.integers(0, 40), tree=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_attention_matches_float64_reference(n, kh, group, d, prefix, tree, seed):
+       prefix=st.integers(0, 40), tree=st.booleans(), kv16=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_attention_matches_float64_reference(n, kh, group, d, prefix, tree, kv16, seed):
     """Rotary embedding, cache write, scores, softmax and weighted sum of every layer against float64, for
-    causal runs and random trees, 1..7 query heads per kv head; the cache outside the new slots is untouched."""
+    causal runs and random trees, 1..7 query heads per kv head; the cache outside the new slots is untouched.
+    A bfloat16 cache holds each new value rounded to nearest (ties to even, as torch rounds) and each new key
+    within a rounding of the float64 one; the outputs are then those of the rounded entries."""
     g = torch.Generator().manual_seed(seed)
     heads, layers, cap = kh * group, 2, prefix + n + 3
     qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
     ang = torch.rand(n, d // 2, generator=g) * 6.3
     cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
-    cache = torch.randn(layers, 2, kh, cap, d, generator=g)
+    cache = torch.randn(layers, 2, kh, cap, d, generator=g).to(torch.bfloat16 if kv16 else torch.float32)
     allowed = random_tree_mask(n, g) if tree else None
     before = cache.clone()
     step = KERNEL.attention_step(heads, cos, sin, cache, prefix, allowed, d ** -0.5)
@@ -160,10 +162,35 @@ def test_attention_matches_float64_reference(n, kh, group, d, prefix, tree, seed
         out = step(layer, qkv)
         ref, keys, vals = reference_attention(qkv, heads, cos, sin, before, layer, prefix, allowed, d ** -0.5)
         assert out.shape == (n, heads * d)
+        if kv16:  # the reference on the entries the kernel stored (the prefix's are unchanged)
+            written = cache.clone()
+            written[layer, :, :, prefix + n:] = before[layer, :, :, prefix + n:]
+            assert torch.equal(written[layer, 1, :, : prefix + n], vals.to(torch.bfloat16))
+            assert torch.allclose(written[layer, 0, :, : prefix + n].double(), keys, rtol=2 ** -8, atol=1e-6)
+            ref = _reference_on_stored(qkv, heads, cos, sin, written, layer, prefix, allowed, d ** -0.5)
         assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-4), (out.double() - ref).abs().max()
-        assert torch.allclose(cache[layer, 0, :, : prefix + n].double(), keys, atol=1e-6)
-        assert torch.equal(cache[layer, 1, :, : prefix + n].double(), vals)
+        if not kv16:
+            assert torch.allclose(cache[layer, 0, :, : prefix + n].double(), keys, atol=1e-6)
+            assert torch.equal(cache[layer, 1, :, : prefix + n].double(), vals)
     assert torch.equal(cache[:, :, :, prefix + n:], before[:, :, :, prefix + n:])
+
+
+def _reference_on_stored(qkv, n_heads, cos, sin, cache, layer, prefix, allowed, scale):
+    """float64 attention of the new tokens' queries over the keys and values the cache holds (its first
+    prefix + n entries of `layer`, new tokens' included)."""
+    n, d = cos.shape
+    kh = cache.shape[2]
+    q = qkv.double().view(n, n_heads + 2 * kh, d)[:, :n_heads]
+    q = q * cos.double()[:, None] + torch.cat([-q[..., d // 2:], q[..., : d // 2]], -1) * sin.double()[:, None]
+    keys, vals = cache[layer, 0, :, : prefix + n].double(), cache[layer, 1, :, : prefix + n].double()
+    seen = torch.ones(n, prefix + n, dtype=torch.bool)
+    seen[:, prefix:] = allowed if allowed is not None else torch.ones(n, n, dtype=torch.bool).tril()
+    group = n_heads // kh
+    out = torch.empty(n, n_heads, d, dtype=torch.float64)
+    for h in range(n_heads):
+        sc = (q[:, h] @ keys[h // group].T) * scale
+        out[:, h] = torch.softmax(sc.masked_fill(~seen, float("-inf")), -1) @ vals[h // group]
+    return out.reshape(n, n_heads * d)
 
 
 @needs_kernel
@@ -182,7 +209,8 @@ def test_attention_batch_equals_each_sequence_alone(segs, seed):
         ang = torch.rand(n, d // 2, generator=g) * 6.3
         cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
         allowed = random_tree_mask(n, g) if tree else None
-        cache = torch.randn(layers, 2, kh, cap, d, generator=g)
+        kv16 = bool(torch.randint(0, 2, (1,), generator=g))  # float32 and bfloat16 caches in one batch
+        cache = torch.randn(layers, 2, kh, cap, d, generator=g).to(torch.bfloat16 if kv16 else torch.float32)
         twin = cache.clone()
         caches.append((cache, twin))
         steps_alone.append(KERNEL.attention_step(heads, cos, sin, cache, prefix, allowed, d ** -0.5))
@@ -204,8 +232,8 @@ def test_attention_batch_equals_each_sequence_alone(segs, seed):
 @needs_kernel
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(2, 24), kh=st.integers(1, 3), group=st.integers(1, 4), d=st.sampled_from([8, 16, 64]),
-       prefix=st.integers(0, 40), seed=st.integers(0, 2**31 - 1))
-def test_a_tree_node_equals_its_path_run_as_a_chain(n, kh, group, d, prefix, seed):
+       prefix=st.integers(0, 40), kv16=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_a_tree_node_equals_its_path_run_as_a_chain(n, kh, group, d, prefix, kv16, seed):
     """The output of every tree node is bit-identical to the last row of its path (its ancestors and itself, in
     order) run as a causal chain on the same cache: verifying a tree gives exactly the logits a plain step
     gives once the path is accepted, so no near-tie can make a speculative method differ from `ar`."""
@@ -217,6 +245,7 @@ def test_a_tree_node_equals_its_path_run_as_a_chain(n, kh, group, d, prefix, see
     cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
     for kern in VARIANTS.values():
         cache = torch.randn(1, 2, kh, prefix + n, d, generator=torch.Generator().manual_seed(seed))
+        cache = cache.to(torch.bfloat16 if kv16 else torch.float32)
         tree = kern.attention_step(heads, cos, sin, cache.clone(), prefix, allowed, d ** -0.5)(0, qkv)
         for i in range(n):
             path = [j for j in range(n) if allowed[i, j]]
@@ -228,8 +257,8 @@ def test_a_tree_node_equals_its_path_run_as_a_chain(n, kh, group, d, prefix, see
 @needs_kernel
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 20), kh=st.integers(1, 3), group=st.integers(1, 7), d=st.sampled_from([8, 16, 24, 64, 72, 128]),
-       prefix=st.integers(0, 60), tree=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_attention_variants_are_bit_identical(n, kh, group, d, prefix, tree, seed):
+       prefix=st.integers(0, 60), tree=st.booleans(), kv16=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_attention_variants_are_bit_identical(n, kh, group, d, prefix, tree, kv16, seed):
     """Every variant's grouped attention (the query rows of a sequence that read one kv head share each block of
     keys and values; two rows per register with AVX-512) gives the bits of the plain AVX2 arrangement (one
     token's query heads per work item), outputs and cache alike."""
@@ -238,7 +267,7 @@ def test_attention_variants_are_bit_identical(n, kh, group, d, prefix, tree, see
     qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
     ang = torch.rand(n, d // 2, generator=g) * 6.3
     cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
-    cache = torch.randn(2, 2, kh, prefix + n + 2, d, generator=g)
+    cache = torch.randn(2, 2, kh, prefix + n + 2, d, generator=g).to(torch.bfloat16 if kv16 else torch.float32)
     allowed = random_tree_mask(n, g) if tree else None
     got = {}
     for name, plain in [("plain", True)] + [(name, False) for name in VARIANTS]:
@@ -251,14 +280,14 @@ def test_attention_variants_are_bit_identical(n, kh, group, d, prefix, tree, see
         assert torch.equal(out, ref) and torch.equal(c, ref_cache), name
 
 
-def _attention_with_threads(kern, threads, heads, kh, d, n, prefix, allowed, seed, plain=False):
+def _attention_with_threads(kern, threads, heads, kh, d, n, prefix, allowed, seed, plain=False, kv16=False):
     """One layer's attention output and cache with `threads` OpenMP threads (restored afterwards); `plain`:
     the plain arrangement, the bit reference of the grouped kernels."""
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
     ang = torch.rand(n, d // 2, generator=g) * 6.3
     cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
-    cache = torch.randn(1, 2, kh, prefix + n, d, generator=g)
+    cache = torch.randn(1, 2, kh, prefix + n, d, generator=g).to(torch.bfloat16 if kv16 else torch.float32)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -271,22 +300,24 @@ def _attention_with_threads(kern, threads, heads, kh, d, n, prefix, allowed, see
 @needs_kernel
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 40), kh=st.integers(1, 3), group=st.integers(1, 9), d=st.sampled_from([16, 64, 72, 128]),
-       prefix=st.integers(0, 400), tree=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_attention_bits_do_not_depend_on_threads_or_variant(n, kh, group, d, prefix, tree, seed):
+       prefix=st.integers(0, 400), tree=st.booleans(), kv16=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_attention_bits_do_not_depend_on_threads_or_variant(n, kh, group, d, prefix, tree, kv16, seed):
     """Every row's bits are the same whatever the number of threads (which changes how the grouped kernels
     split keys, rows and columns into work items) and in every variant, and are the plain AVX2 arrangement's;
-    up to 360 rows per kv head (several row groups) and hundreds of keys (several key blocks)."""
-    _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed)
+    up to 360 rows per kv head (several row groups) and hundreds of keys (several key blocks); float32 and
+    bfloat16 caches."""
+    _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed, kv16)
 
 
-def _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed):
+def _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed, kv16=False):
     g = torch.Generator().manual_seed(seed)
     allowed = random_tree_mask(n, g) if tree else None
     ref, ref_cache = _attention_with_threads(VARIANTS["avx2"], 1, kh * group, kh, d, n, prefix, allowed, seed,
-                                             plain=True)
+                                             plain=True, kv16=kv16)
     for kern in VARIANTS.values():
         for threads in (1, 2, 3, 5):
-            out, cache = _attention_with_threads(kern, threads, kh * group, kh, d, n, prefix, allowed, seed)
+            out, cache = _attention_with_threads(kern, threads, kh * group, kh, d, n, prefix, allowed, seed,
+                                                 kv16=kv16)
             assert torch.equal(out, ref) and torch.equal(cache, ref_cache), (kern.variant, threads)
 
 
@@ -299,8 +330,10 @@ def _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed):
 ])
 def test_attention_split_over_threads_keeps_the_bits(n, kh, group, d, prefix, tree):
     """Steps with few kv heads and long caches, whose groups the grouped kernels split over the threads (by key
-    range, rows or columns): the plain arrangement's bits with 1, 2, 3 and 5 threads and in every variant."""
-    _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, 11)
+    range, rows or columns): the plain arrangement's bits with 1, 2, 3 and 5 threads and in every variant, with
+    float32 and bfloat16 caches."""
+    for kv16 in (False, True):
+        _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, 11, kv16)
 
 
 @needs_kernel

@@ -230,6 +230,12 @@ inline __m512 exp_nonpositive512(__m512 x) {
 
 // Rotary embedding (Hugging Face's rotate_half convention) of one head x [D] -> o [D]:
 // o = x * cos + (-x[D/2:], x[:D/2]) * sin.
+// 8 floats from float32 or bfloat16 entries (a bfloat16 is the top half of the float32 it denotes)
+inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 ld8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
 inline void rope(const float* x, const float* cos, const float* sin, int D, float* o) {
   const int h = D / 2;
   for (int d = 0; d < h; ++d) o[d] = x[d] * cos[d] - x[d + h] * sin[d];
@@ -491,6 +497,14 @@ constexpr int kPairs512 = 4;
 inline __m512 both_halves(const float* p) {  // 8 floats in lanes 0-7 and again in 8-15
   return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
 }
+inline __m512 both_halves(const uint16_t* p) {  // 8 bfloat16 entries as floats, twice
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(ld8(p))));
+}
+// 16 floats (the lanes in m; the others 0), from float32 or bfloat16 entries
+inline __m512 ld16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 ld16(__mmask16 m, const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
 
 // _mm256_hadd_ps on each 256-bit half: per 128-bit lane [a0 + a1, a2 + a3, b0 + b1, b2 + b3]
 inline __m512 hadd512(__m512 a, __m512 b) {
@@ -501,8 +515,8 @@ inline __m512 hadd512(__m512 a, __m512 b) {
 // scores go to s[r] (2 P row pointers). S: D / 8 when known at compile time (the loops then unroll and the
 // accumulators stay in registers), else 0. pf (or null): pf_lines cache lines from there to fetch into L2
 // meanwhile, spread evenly over the keys (a few per 4 keys, so they never crowd the line fill buffers).
-template <int P, int S = 0>
-inline void scores512(const float* qp, const float* keys, int64_t T, int D, float scale, float* const* s,
+template <int P, int S = 0, class E = float>
+inline void scores512(const float* qp, const E* keys, int64_t T, int D, float scale, float* const* s,
                       const float* pf = nullptr, int64_t pf_lines = 0) {
   const __m512 sc = _mm512_set1_ps(scale);
   const int steps = S ? S : D / 8;
@@ -511,7 +525,7 @@ inline void scores512(const float* qp, const float* keys, int64_t T, int D, floa
     if (pf)
       for (int64_t l = j0 / 4 * per; l < (j0 / 4 + 1) * per && l < pf_lines; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * l, _MM_HINT_T1);
-    const float* k[4];
+    const E* k[4];
 #pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) k[t] = keys + (j0 + t < T ? j0 + t : T - 1) * D;
     __m512 a[P][4];
@@ -550,7 +564,7 @@ inline void scores512(const float* qp, const float* keys, int64_t T, int D, floa
 
 extern "C" {
 
-int goose_kernels_abi(void) { return 9; }
+int goose_kernels_abi(void) { return 10; }
 
 #ifdef __AVX512F__
 int goose_kernels_isa(void) { return 512; }
@@ -619,11 +633,36 @@ struct Segment {
   int64_t row0;            // their first row in qkv and out
   const float* cos;        // [n, D]
   const float* sin;        // [n, D]
-  float* keys;             // this layer's cache of the sequence, [Kh][cap][D]
+  float* keys;             // this layer's cache of the sequence, [Kh][cap][D] (null when held in bfloat16)
   float* vals;             // [Kh][cap][D]
   int64_t cap, p;
   const uint8_t* allowed;  // [n, n] or null (causal)
+  uint16_t* keys16 = nullptr;  // the cache held in bfloat16 instead (keys, vals null), [Kh][cap][D] each
+  uint16_t* vals16 = nullptr;
 };
+
+// ---- a cache held in bfloat16 ----
+// A key or value is rounded once to bfloat16 (to nearest, ties to even; NaN stays NaN) when written, and read
+// back as the float32 it denotes (exactly): attention then runs its float32 arithmetic, unchanged, on those
+// values. Every row that reads an entry reads the same value, whatever the rows and the split.
+inline uint16_t to_bf16(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline void bf16_to_float(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+  }
+  for (; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+    memcpy(dst + i, &u, 4);
+  }
+}
 
 // The softmax numerators of new token i's scores sr [Tv] over segment g (a tree row masks the new tokens it does
 // not see first), in place; returns 1 / their sum. `rest`: scratch of g.n + 16 floats.
@@ -640,11 +679,21 @@ void write_new_kv(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segm
   const int64_t row = (H + 2 * Kh) * D;
   for (int64_t s = 0; s < nseg; ++s) {
     const Segment& g = segs[s];
+    std::vector<float> k(g.keys16 ? D : 0);
     for (int64_t i = 0; i < g.n; ++i)
       for (int64_t h = 0; h < Kh; ++h) {
         const float* x = qkv + (g.row0 + i) * row;
-        rope(x + (H + h) * D, g.cos + i * D, g.sin + i * D, static_cast<int>(D), g.keys + (h * g.cap + g.p + i) * D);
-        memcpy(g.vals + (h * g.cap + g.p + i) * D, x + (H + Kh + h) * D, sizeof(float) * D);
+        const int64_t at = (h * g.cap + g.p + i) * D;
+        if (g.keys16) {
+          rope(x + (H + h) * D, g.cos + i * D, g.sin + i * D, static_cast<int>(D), k.data());
+          for (int64_t d = 0; d < D; ++d) {
+            g.keys16[at + d] = to_bf16(k[d]);
+            g.vals16[at + d] = to_bf16(x[(H + Kh + h) * D + d]);
+          }
+        } else {
+          rope(x + (H + h) * D, g.cos + i * D, g.sin + i * D, static_cast<int>(D), g.keys + at);
+          memcpy(g.vals + at, x + (H + Kh + h) * D, sizeof(float) * D);
+        }
       }
   }
 }
@@ -669,7 +718,7 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
   const int64_t lds = longest + 8;
 #pragma omp parallel
   {
-    std::vector<float> sc(kRows * lds), q(kRows * D), rest(widest + 16);
+    std::vector<float> sc(kRows * lds), q(kRows * D), rest(widest + 16), kb, vb;  // kb, vb: a bfloat16 head, read
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < first[nseg]; ++item) {
       int64_t s = 0;
@@ -680,9 +729,17 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
       const int R = static_cast<int>(G - (h0 - kv * G) < kRows ? G - (h0 - kv * G) : kRows);
       const float* x = qkv + (g.row0 + i) * row;
       for (int r = 0; r < R; ++r) rope(x + (h0 + r) * D, g.cos + i * D, g.sin + i * D, d, q.data() + r * D);
+      const int64_t Tv = g.allowed ? T : g.p + i + 1;  // causal: new tokens up to i; a tree masks below
       const float* kh = g.keys + kv * g.cap * D;
       const float* vh = g.vals + kv * g.cap * D;
-      const int64_t Tv = g.allowed ? T : g.p + i + 1;  // causal: new tokens up to i; a tree masks below
+      if (g.keys16) {
+        kb.resize(Tv * D);
+        vb.resize(Tv * D);
+        bf16_to_float(g.keys16 + kv * g.cap * D, Tv * D, kb.data());
+        bf16_to_float(g.vals16 + kv * g.cap * D, Tv * D, vb.data());
+        kh = kb.data();
+        vh = vb.data();
+      }
       switch (R) {
         case 3: scores<3>(q.data(), kh, Tv, d, scale, sc.data(), lds); break;
         case 2: scores<2>(q.data(), kh, Tv, d, scale, sc.data(), lds); break;
@@ -746,8 +803,8 @@ inline __m256 hadd256(__m256 a, __m256 b) {
   return _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-template <int R, int S>
-inline void scores_tile(const float* q, const float* keys, int64_t T, int D, float scale, float* const* s,
+template <int R, int S, class E>
+inline void scores_tile(const float* q, const E* keys, int64_t T, int D, float scale, float* const* s,
                         const float* pf, int64_t pf_lines) {
   const __m256 sc = _mm256_set1_ps(scale);
   const int steps = S ? S : D / 8;
@@ -756,7 +813,7 @@ inline void scores_tile(const float* q, const float* keys, int64_t T, int D, flo
     if (pf)
       for (int64_t l = j0 / 4 * per; l < (j0 / 4 + 1) * per && l < pf_lines; ++l)
         _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * l, _MM_HINT_T1);
-    const float* k[4];
+    const E* k[4];
 #pragma GCC unroll 4
     for (int t = 0; t < 4; ++t) k[t] = keys + (j0 + t < T ? j0 + t : T - 1) * D;
     __m256 a[R][4];
@@ -766,8 +823,8 @@ inline void scores_tile(const float* q, const float* keys, int64_t T, int D, flo
       for (int t = 0; t < 4; ++t) a[r][t] = _mm256_setzero_ps();
 #pragma GCC unroll 16
     for (int d = 0; d < steps; ++d) {
-      const __m256 k0 = _mm256_loadu_ps(k[0] + 8 * d), k1 = _mm256_loadu_ps(k[1] + 8 * d);
-      const __m256 k2 = _mm256_loadu_ps(k[2] + 8 * d), k3 = _mm256_loadu_ps(k[3] + 8 * d);
+      const __m256 k0 = ld8(k[0] + 8 * d), k1 = ld8(k[1] + 8 * d);
+      const __m256 k2 = ld8(k[2] + 8 * d), k3 = ld8(k[3] + 8 * d);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m256 qv = _mm256_loadu_ps(q + r * D + 8 * d);
@@ -788,8 +845,8 @@ inline void scores_tile(const float* q, const float* keys, int64_t T, int D, flo
   }
 }
 
-template <int S>
-inline void scores_rows(int R, const float* q, const float* keys, int64_t T, int D, float scale, float* const* s,
+template <int S, class E>
+inline void scores_rows(int R, const float* q, const E* keys, int64_t T, int D, float scale, float* const* s,
                         const float* pf, int64_t pf_lines) {
   switch (R) {
     case 3: scores_tile<3, S>(q, keys, T, D, scale, s, pf, pf_lines); break;
@@ -801,8 +858,8 @@ inline void scores_rows(int R, const float* q, const float* keys, int64_t T, int
 // o[r][0..8 W) for R rows over values j in [j0, j1) (v is already offset to the tile's first column):
 // accumulators from acc (rows of stride lda; zeros when `first`), back to acc, or when `inv` is given times
 // inv[r] into o[r]. ahead (or 0): prefetch distance in values, for the values j with j % pf_every == pf_at.
-template <int R, int W>
-inline void weighted_block(const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D, float* acc,
+template <int R, int W, class E>
+inline void weighted_block(const float* const* e, const E* v, int64_t j0, int64_t j1, int64_t D, float* acc,
                            int64_t lda, bool first, const float* inv, float* const* o, int64_t ahead,
                            int64_t pf_every, int64_t pf_at) {
   __m256 a[R][W];
@@ -812,7 +869,7 @@ inline void weighted_block(const float* const* e, const float* v, int64_t j0, in
     if (ahead && j % pf_every == pf_at)  // fetch the same columns of value j + ahead into L2 meanwhile
       for (int c = 0; c < W; c += 2) _mm_prefetch(reinterpret_cast<const char*>(v + (j + ahead) * D + 8 * c), _MM_HINT_T1);
     __m256 vv[W];
-    for (int c = 0; c < W; ++c) vv[c] = _mm256_loadu_ps(v + j * D + 8 * c);
+    for (int c = 0; c < W; ++c) vv[c] = ld8(v + j * D + 8 * c);
     for (int r = 0; r < R; ++r) {
       const __m256 ej = _mm256_set1_ps(e[r][j]);
       for (int c = 0; c < W; ++c) a[r][c] = _mm256_fmadd_ps(ej, vv[c], a[r][c]);
@@ -828,8 +885,8 @@ inline void weighted_block(const float* const* e, const float* v, int64_t j0, in
   }
 }
 
-template <int W>
-inline void weighted_block_rows(int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
+template <int W, class E>
+inline void weighted_block_rows(int R, const float* const* e, const E* v, int64_t j0, int64_t j1, int64_t D,
                                 float* acc, int64_t lda, bool first, const float* inv, float* const* o,
                                 int64_t ahead, int64_t pf_every, int64_t pf_at) {
   switch (R) {
@@ -856,7 +913,8 @@ struct Groups256 {
   // query q [D] as score row r of the group's packed queries
   static void pack(float* qp, int r, const float* q, int D) { memcpy(qp + r * D, q, sizeof(float) * D); }
 
-  static void scores(int rows, const float* qq, const float* keys, int64_t T, int D, float scale,
+  template <class E>
+  static void scores(int rows, const float* qq, const E* keys, int64_t T, int D, float scale,
                      float* const* s, const float* pf, int64_t pf_lines) {
     switch (D) {  // head sizes with unrolled loops
       case 64: scores_rows<8>(rows, qq, keys, T, D, scale, s, pf, pf_lines); break;
@@ -865,7 +923,8 @@ struct Groups256 {
     }
   }
 
-  static void weighted(int W, int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
+  template <class E>
+  static void weighted(int W, int R, const float* const* e, const E* v, int64_t j0, int64_t j1, int64_t D,
                        float* acc, int64_t lda, bool first, const float* inv, float* const* o, int64_t /*cols*/,
                        int64_t ahead, int64_t pf_every, int64_t pf_at) {
     if (W == 4)
@@ -881,8 +940,8 @@ struct Groups256 {
 
 #ifdef __AVX512F__
 // weighted_block with 16-column vectors: o[r][0..16 W), the last vector only the lanes in `last`.
-template <int R, int W>
-inline void weighted_block512(const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D, float* acc,
+template <int R, int W, class E>
+inline void weighted_block512(const float* const* e, const E* v, int64_t j0, int64_t j1, int64_t D, float* acc,
                               int64_t lda, bool first, const float* inv, float* const* o, __mmask16 last,
                               int64_t ahead, int64_t pf_every, int64_t pf_at) {
   __m512 a[R][W];
@@ -892,7 +951,7 @@ inline void weighted_block512(const float* const* e, const float* v, int64_t j0,
     if (ahead && j % pf_every == pf_at)  // fetch the same columns of value j + ahead into L2 meanwhile
       for (int c = 0; c < W; ++c) _mm_prefetch(reinterpret_cast<const char*>(v + (j + ahead) * D + 16 * c), _MM_HINT_T1);
     __m512 vv[W];
-    for (int c = 0; c < W; ++c) vv[c] = _mm512_maskz_loadu_ps(c == W - 1 ? last : 0xFFFF, v + j * D + 16 * c);
+    for (int c = 0; c < W; ++c) vv[c] = ld16(c == W - 1 ? last : 0xFFFF, v + j * D + 16 * c);
     for (int r = 0; r < R; ++r) {
       const __m512 ej = _mm512_set1_ps(e[r][j]);
       for (int c = 0; c < W; ++c) a[r][c] = _mm512_fmadd_ps(ej, vv[c], a[r][c]);
@@ -912,8 +971,8 @@ inline void weighted_block512(const float* const* e, const float* v, int64_t j0,
 // Rows per weighted_block512 call for W column vectors (R W accumulators of the 32 registers).
 constexpr int rows_for512(int W) { return W >= 4 ? 6 : 8; }
 
-template <int W>
-inline void weighted_block_rows512(int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
+template <int W, class E>
+inline void weighted_block_rows512(int R, const float* const* e, const E* v, int64_t j0, int64_t j1, int64_t D,
                                    float* acc, int64_t lda, bool first, const float* inv, float* const* o,
                                    __mmask16 last, int64_t ahead, int64_t pf_every, int64_t pf_at) {
   switch (R) {
@@ -928,8 +987,8 @@ inline void weighted_block_rows512(int R, const float* const* e, const float* v,
   }
 }
 
-template <int S>
-inline void scores_pairs(int np, const float* qp, const float* keys, int64_t T, int D, float scale, float* const* s,
+template <int S, class E>
+inline void scores_pairs(int np, const float* qp, const E* keys, int64_t T, int D, float scale, float* const* s,
                          const float* pf, int64_t pf_lines) {
   switch (np) {
     case 4: scores512<4, S>(qp, keys, T, D, scale, s, pf, pf_lines); break;
@@ -954,7 +1013,8 @@ struct Groups512 {
     for (int k = 0; k < steps; ++k) memcpy(qp + ((r / 2) * steps + k) * 16 + (r % 2) * 8, q + 8 * k, sizeof(float) * 8);
   }
 
-  static void scores(int rows, const float* qq, const float* keys, int64_t T, int D, float scale,
+  template <class E>
+  static void scores(int rows, const float* qq, const E* keys, int64_t T, int D, float scale,
                      float* const* s, const float* pf, int64_t pf_lines) {
     switch (D) {  // head sizes with unrolled loops
       case 64: scores_pairs<8>(rows / 2, qq, keys, T, D, scale, s, pf, pf_lines); break;
@@ -963,7 +1023,8 @@ struct Groups512 {
     }
   }
 
-  static void weighted(int W, int R, const float* const* e, const float* v, int64_t j0, int64_t j1, int64_t D,
+  template <class E>
+  static void weighted(int W, int R, const float* const* e, const E* v, int64_t j0, int64_t j1, int64_t D,
                        float* acc, int64_t lda, bool first, const float* inv, float* const* o, int64_t cols,
                        int64_t ahead, int64_t pf_every, int64_t pf_at) {
     const __mmask16 last = cols % 16 ? static_cast<__mmask16>(0x00FF) : static_cast<__mmask16>(0xFFFF);
@@ -1084,20 +1145,28 @@ void attention_groups(const float* qkv, int64_t H, int64_t Kh, int64_t D, const 
       rope(qkv + (g.row0 + i) * row + h * D, g.cos + i * D, g.sin + i * D, d, w.q.data());
       Isa::pack(w.qp.data(), r, w.q.data(), d);
     }
-    const float* kh = g.keys + gr.kv * g.cap * D;
+    const float* kh = g.keys16 ? nullptr : g.keys + gr.kv * g.cap * D;
+    const uint16_t* kh16 = g.keys16 ? g.keys16 + gr.kv * g.cap * D : nullptr;
     for (int64_t j0 = tl.a0; j0 < tl.a1; j0 += block) {
       const int64_t len = tl.a1 - j0 < block ? tl.a1 - j0 : block;
+
       for (int r0 = 0; r0 < gr.S; r0 += Isa::kScoreTile) {
         float* s[Isa::kScoreTile];
         const int nr = gr.S - r0 < Isa::kScoreTile ? gr.S - r0 : Isa::kScoreTile;
         for (int r = 0; r < nr; ++r) s[r] = srow[r0 + r] + j0;
         // the row tiles fetch the tile's next block meanwhile, each pass over this block a share of its lines
         const int64_t next = tl.a1 - (j0 + len) < block ? tl.a1 - (j0 + len) : block;
-        const int64_t lines = next * D / 16, passes = (gr.S + Isa::kScoreTile - 1) / Isa::kScoreTile;
+        const int64_t per_line = kh16 ? 32 : 16;  // entries per cache line
+        const int64_t lines = next * D / per_line, passes = (gr.S + Isa::kScoreTile - 1) / Isa::kScoreTile;
         const int64_t pass = r0 / Isa::kScoreTile;
-        const float* pf = next > 0 ? kh + (j0 + len) * D + pass * lines / passes * 16 : nullptr;
+        const char* nb = kh16 ? reinterpret_cast<const char*>(kh16 + (j0 + len) * D)
+                              : reinterpret_cast<const char*>(kh + (j0 + len) * D);
+        const float* pf = next > 0 ? reinterpret_cast<const float*>(nb + pass * lines / passes * 64) : nullptr;
         const int64_t pf_lines = (pass + 1) * lines / passes - pass * lines / passes;
-        Isa::scores(nr, w.qp.data() + r0 * D, kh + j0 * D, len, d, scale, s, pf, pf_lines);
+        if (kh16)
+          Isa::scores(nr, w.qp.data() + r0 * D, kh16 + j0 * D, len, d, scale, s, pf, pf_lines);
+        else
+          Isa::scores(nr, w.qp.data() + r0 * D, kh + j0 * D, len, d, scale, s, pf, pf_lines);
       }
     }
   };
@@ -1114,10 +1183,12 @@ void attention_groups(const float* qkv, int64_t H, int64_t Kh, int64_t D, const 
       e[r] = score_row(gr, static_cast<int>(r));
       o[r] = out + (g.row0 + i) * H * D + h * D;
     }
-    const float* vh = g.vals + gr.kv * g.cap * D;
+    const float* vh = g.vals16 ? nullptr : g.vals + gr.kv * g.cap * D;
+    const uint16_t* vh16 = g.vals16 ? g.vals16 + gr.kv * g.cap * D : nullptr;
     for (int64_t j0 = 0; j0 < gr.Tmax; j0 += block) {
       const int64_t j1 = gr.Tmax - j0 < block ? gr.Tmax : j0 + block;
       const bool first = j0 == 0, final = j1 == gr.Tmax;
+
       for (int64_t c0 = tl.c0; c0 < tl.c1; c0 += Isa::kPassCols) {
         const int64_t cols = tl.c1 - c0 < Isa::kPassCols ? tl.c1 - c0 : Isa::kPassCols;
         const int W = static_cast<int>((cols + Isa::kVec - 1) / Isa::kVec), step = Isa::rows_for(W);
@@ -1130,7 +1201,10 @@ void attention_groups(const float* qkv, int64_t H, int64_t Kh, int64_t D, const 
           // the next block, each row set fetching every sets-th value of it
           const int64_t ahead = j1 + (j1 - j0) <= gr.Tmax ? j1 - j0 : 0, sets = (tl.a1 - tl.a0 + step - 1) / step;
           const int64_t pf_every = sets, pf_at = (r - tl.a0) / step;
-          Isa::weighted(W, R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, cols, ahead, pf_every, pf_at);
+          if (vh16)
+            Isa::weighted(W, R, e + r, vh16 + c0, j0, j1, D, a, lda, first, iv, oc, cols, ahead, pf_every, pf_at);
+          else
+            Isa::weighted(W, R, e + r, vh + c0, j0, j1, D, a, lda, first, iv, oc, cols, ahead, pf_every, pf_at);
         }
       }
     }
@@ -1175,6 +1249,20 @@ void attention_best(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Se
 #endif
 }
 
+// A segment over a float32 cache, or a bfloat16 one (kv16).
+Segment segment(int64_t n, int64_t row0, const float* cos, const float* sin, void* keys, void* vals, int64_t cap,
+                int64_t p, const uint8_t* allowed, int kv16) {
+  Segment g{n, row0, cos, sin, nullptr, nullptr, cap, p, allowed};
+  if (kv16) {
+    g.keys16 = static_cast<uint16_t*>(keys);
+    g.vals16 = static_cast<uint16_t*>(vals);
+  } else {
+    g.keys = static_cast<float*>(keys);
+    g.vals = static_cast<float*>(vals);
+  }
+  return g;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1182,38 +1270,41 @@ extern "C" {
 // One decoder layer's attention for n new tokens appended to a static KV cache at positions p..p+n-1.
 //   qkv [n, (H + 2 Kh) D]: the q, k and v projections of the new tokens (heads in order);
 //   cos, sin [n, D]: their rotary tables; keys, vals: this layer's cache, [Kh][cap][D] each (the new
-//   tokens' rotated keys and values are written into it); allowed [n, n] (uint8, row i = which new tokens
-//   token i sees) or null (causal); out [n, H D]. Query head h reads kv head h / (H / Kh).
+//   tokens' rotated keys and values are written into it), float32, or bfloat16 when kv16 (see to_bf16);
+//   allowed [n, n] (uint8, row i = which new tokens token i sees) or null (causal); out [n, H D]. Query head h
+//   reads kv head h / (H / Kh).
 // Each (token, head) row is independent: scores over the visible keys, softmax (in float32, max
 // subtracted), the weighted sum of values; a row's result does not depend on n or on the other rows.
 void goose_attention(const float* qkv, int64_t n, int64_t H, int64_t Kh, int64_t D, const float* cos,
-                     const float* sin, float* keys, float* vals, int64_t cap, int64_t p, const uint8_t* allowed,
-                     float scale, float* out) {
-  const Segment seg{n, 0, cos, sin, keys, vals, cap, p, allowed};
+                     const float* sin, void* keys, void* vals, int64_t cap, int64_t p, const uint8_t* allowed,
+                     float scale, float* out, int kv16) {
+  const Segment seg = segment(n, 0, cos, sin, keys, vals, cap, p, allowed, kv16);
   attention_best(qkv, H, Kh, D, &seg, 1, scale, out);
 }
 
 // goose_attention in the plain arrangement (`attention`: one token's query heads per work item), the bit
 // reference of the grouped kernels, which give the same bits (for tests and benchmarks).
 void goose_attention_plain(const float* qkv, int64_t n, int64_t H, int64_t Kh, int64_t D, const float* cos,
-                           const float* sin, float* keys, float* vals, int64_t cap, int64_t p, const uint8_t* allowed,
-                           float scale, float* out) {
-  const Segment seg{n, 0, cos, sin, keys, vals, cap, p, allowed};
+                           const float* sin, void* keys, void* vals, int64_t cap, int64_t p, const uint8_t* allowed,
+                           float scale, float* out, int kv16) {
+  const Segment seg = segment(n, 0, cos, sin, keys, vals, cap, p, allowed, kv16);
   attention(qkv, H, Kh, D, &seg, 1, scale, out);
 }
 
 // The same for several sequences in one call (one parallel region): segment s's tokens are rows
-// desc[8 s + 1] .. + desc[8 s] of qkv and out; desc per segment: n, row0, cos, sin (pointers), cache (the
-// sequence's [layers][2][Kh][cap][D] cache), cap, p, allowed (pointer or 0). `layer` picks the cache layer.
+// desc[9 s + 1] .. + desc[9 s] of qkv and out; desc per segment: n, row0, cos, sin (pointers), cache (the
+// sequence's [layers][2][Kh][cap][D] cache), cap, p, allowed (pointer or 0), kv16 (1: the cache is bfloat16).
+// `layer` picks the cache layer.
 // Every row's result is the one goose_attention gives for its segment alone.
 void goose_attention_batch(const float* qkv, int64_t H, int64_t Kh, int64_t D, int64_t nseg, const int64_t* desc,
                            int64_t layer, float scale, float* out) {
   std::vector<Segment> segs(nseg);
   for (int64_t s = 0; s < nseg; ++s) {
-    const int64_t* e = desc + 8 * s;
-    float* cache = reinterpret_cast<float*>(e[4]) + layer * 2 * Kh * e[5] * D;
-    segs[s] = Segment{e[0], e[1], reinterpret_cast<const float*>(e[2]), reinterpret_cast<const float*>(e[3]),
-                      cache, cache + Kh * e[5] * D, e[5], e[6], reinterpret_cast<const uint8_t*>(e[7])};
+    const int64_t* e = desc + 9 * s;
+    const int64_t half = Kh * e[5] * D, bytes = e[8] ? 2 : 4;  // entries of one layer's keys; bytes per entry
+    char* cache = reinterpret_cast<char*>(e[4]) + layer * 2 * half * bytes;
+    segs[s] = segment(e[0], e[1], reinterpret_cast<const float*>(e[2]), reinterpret_cast<const float*>(e[3]), cache,
+                      cache + half * bytes, e[5], e[6], reinterpret_cast<const uint8_t*>(e[7]), static_cast<int>(e[8]));
   }
   attention_best(qkv, H, Kh, D, segs.data(), nseg, scale, out);
 }

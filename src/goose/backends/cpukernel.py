@@ -62,7 +62,7 @@ VARIANTS = {
 }
 ORDER = ("avx512", "avx2")
 PANEL = 16  # output columns per packed panel (must match kPanel in the source)
-ABI = 9  # goose_kernels_abi() of this version of the source
+ABI = 10  # goose_kernels_abi() of this version of the source
 ENV_SWITCH = "GOOSE_CPU_KERNEL"
 ENV_VARIANT = "GOOSE_KERNEL_VARIANT"
 
@@ -208,7 +208,7 @@ class CpuKernels:
         self._attn.restype = None
         self._attn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
         # the plain arrangement (bit reference); absent from an older source a benchmark may load (--baseline)
         self._attn_plain = getattr(lib, "goose_attention_plain", None)
         if self._attn_plain is not None:
@@ -334,7 +334,8 @@ class CpuKernels:
     def attention_step(self, n_heads: int, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, prefix: int,
                        allowed: torch.Tensor | None, scale: float, *, plain: bool = False) -> AttentionStep:
         """Attention for the ``n`` new tokens of one forward, on every layer of a static KV cache
-        ``cache [layers, 2 (keys, values), Kh, capacity, D]`` holding ``prefix`` tokens: rotary embedding
+        ``cache [layers, 2 (keys, values), Kh, capacity, D]`` (float32, or bfloat16: each entry rounded once when
+        written, then read as the float32 it denotes) holding ``prefix`` tokens: rotary embedding
         (``cos, sin [n, D]``, Hugging Face's rotate_half convention), cache write at ``prefix..prefix+n-1``,
         scores, softmax, weighted sum. ``allowed [n, n]`` (bool): which new tokens each one sees (None:
         causal; each token must see itself). Everything is checked here once; the returned step is then called
@@ -361,8 +362,10 @@ class AttentionStep:
 
     def __init__(self, fn, n_heads: int, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, prefix: int,
                  allowed: torch.Tensor | None, scale: float) -> None:
-        for name, t, dims in (("cos", cos, 2), ("sin", sin, 2), ("cache", cache, 5)):
+        for name, t, dims in (("cos", cos, 2), ("sin", sin, 2)):
             _check(t, f"attention: {name}", dims=dims)
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 5:
+            raise ValueError("attention: cache must be a [layers, 2, Kh, capacity, D] tensor")
         if not cache.is_contiguous():
             raise ValueError("attention needs float32 CPU tensors and a contiguous cache")
         if allowed is not None:
@@ -382,9 +385,9 @@ class AttentionStep:
                 or (allowed is not None and allowed.shape != (n, n))):
             raise ValueError("attention: inconsistent shapes")
         self._keep = [t.contiguous() for t in (cos, sin)]  # alive as long as the step
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (*self._keep, cache)) \
-                or not cache.is_contiguous():
-            raise ValueError("attention needs float32 CPU tensors and a contiguous cache")
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in self._keep) \
+                or cache.dtype not in (torch.float32, torch.bfloat16) or cache.device.type != "cpu":
+            raise ValueError("attention needs float32 CPU tensors and a contiguous float32 or bfloat16 cache")
         if allowed is not None and not bool(allowed.diagonal().all()):
             raise ValueError("attention: every new token must see itself (allowed[i, i])")
         mask = None if allowed is None or n == 1 else allowed.to(torch.uint8).contiguous()
@@ -393,8 +396,9 @@ class AttentionStep:
         self._fn, self._cache, self.layers = fn, cache, layers
         self._args = (n, n_heads, kh, d, self._keep[0].data_ptr(), self._keep[1].data_ptr())
         self._tail = (cap, prefix, None if mask is None else mask.data_ptr(), float(scale))
-        self._layer_bytes = 2 * kh * cap * d * 4
-        self._half = kh * cap * d * 4
+        self.kv16 = int(cache.dtype == torch.bfloat16)
+        self._half = kh * cap * d * cache.element_size()
+        self._layer_bytes = 2 * self._half
         self._shape = (n, (n_heads + 2 * kh) * d)
         self._out = (n, n_heads * d)
 
@@ -402,7 +406,7 @@ class AttentionStep:
         _check_layer_input(layer, self.layers, qkv, self._shape)
         out = torch.empty(self._out, dtype=torch.float32)
         keys = self._cache.data_ptr() + layer * self._layer_bytes
-        self._fn(qkv.data_ptr(), *self._args, keys, keys + self._half, *self._tail, out.data_ptr())
+        self._fn(qkv.data_ptr(), *self._args, keys, keys + self._half, *self._tail, out.data_ptr(), self.kv16)
         return out
 
 
@@ -420,9 +424,9 @@ class AttentionBatch:
         for s in steps:
             n, _, _, _, cos, sin = s._args
             cap, prefix, mask, _ = s._tail
-            desc.append([n, row, cos, sin, s._cache.data_ptr(), cap, prefix, mask or 0])
+            desc.append([n, row, cos, sin, s._cache.data_ptr(), cap, prefix, mask or 0, s.kv16])
             row += n
-        self._desc = torch.tensor(desc, dtype=torch.int64)  # [segments, 8]
+        self._desc = torch.tensor(desc, dtype=torch.int64)  # [segments, 9]
         self._steps = steps  # their tables and masks stay alive
         self._fn, self.layers = fn, first.layers
         self._heads, self._scale = heads, first._tail[3]

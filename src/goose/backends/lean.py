@@ -307,6 +307,7 @@ class LeanForward(Forward):
         self.backend = (f"goose-{kern.variant}" if kern is not None else "onednn" if self.prepacked else "torch") + (
             "+gemv" if self.gemv else "") + ("+attention" if self.attn_kernel is not None else "")
         self.arith = arith
+        self.kv_dtype = self.dtype  # the KV cache's entries (`new_cache`)
         if arith == "int8":
             self._use_int8()
         quantized = sorted({lin.packed.fmt for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)
@@ -331,6 +332,9 @@ class LeanForward(Forward):
         for lin in linears:
             lin.kernel = ik
         self.backend += f"+int8-{ik.variant}"
+        if self.attn_kernel is not None:  # keys and values in bfloat16 (halves the cache's memory traffic)
+            self.kv_dtype = torch.bfloat16
+            self.backend += "+kv16"
 
     def _layer_plan(self) -> cpukernel.LayerPlan | None:
         if self.attn_kernel is None or any(L.qk_norm is not None for L in self.layers):
@@ -346,7 +350,7 @@ class LeanForward(Forward):
     # ---- caches ------------------------------------------------------------------------------------
     def new_cache(self) -> "LeanCache":
         """A KV cache of its own for one sequence (one per request: nothing is shared between caches)."""
-        return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.dtype, self.device)
+        return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.kv_dtype, self.device)
 
     def stale(self) -> bool:
         """True when the model's weights changed since they were packed here (an optimizer step,
