@@ -4,13 +4,14 @@ L tokens, with SmolLM2-135M's shapes by default (30 layers, 9 query heads, 3 kv 
 Prints ms per forward and GFMA/s: 2 D multiply-adds per (query row, visible key) (scores and weighted sum).
 
     python benchmarks/attention_cost.py [--cache-lens 256,1024] [--sizes 1,8,16,32] [--threads 1,2]
-                                        [--baseline /path/to/other/cpu_kernels.cpp] [--repeats 15]
+                                        [--baseline /path/to/other/cpu_kernels.cpp] [--repeats 15] [--bf16]
 
 --baseline builds a second library from another copy of the source (e.g. main's) and times it interleaved
-with this one in the same process, and checks that both give the same bits. Timings are minima over
---repeats rounds: with one thread the process's CPU time (a shared machine then adds little), with more the
-wall time. The cache holds random values; the layers' caches together (2 x 30 x 3 x L x 64 floats, 47 MB at
-L = 1024) exceed the L2 caches, as a real model's do.
+with this one in the same process, and checks that both give the same bits. --bf16 also times this kernel on
+a bfloat16 copy of the cache (the cache `arith="int8"` keeps; its outputs are those of the rounded entries, so
+they are not compared). Timings are minima over --repeats rounds: with one thread the process's CPU time (a
+shared machine then adds little), with more the wall time. The cache holds random values; the layers' caches
+together (2 x 30 x 3 x L x 64 floats, 47 MB at L = 1024) exceed the L2 caches, as a real model's do.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def forward_fn(kern, step, qkv: torch.Tensor, layers: int):
     fn, args, tail, out = step._fn, step._args, step._tail, torch.empty(step._out)
     base = step._cache.data_ptr()
     calls = [(qkv.data_ptr(), *args, base + layer * step._layer_bytes, base + layer * step._layer_bytes + step._half,
-              *tail, out.data_ptr()) for layer in range(layers)]
+              *tail, out.data_ptr(), step.kv16) for layer in range(layers)]
 
     def run() -> torch.Tensor:
         for c in calls:
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true", help="a causal chain of N tokens instead of a tree")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--baseline", default=None, help="another cpu_kernels.cpp to time side by side")
+    ap.add_argument("--bf16", action="store_true", help="also time this kernel on a bfloat16 cache")
     args = ap.parse_args()
     kerns = {"this": load(None)}
     if args.baseline:
@@ -85,8 +87,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     print(f"{kerns['this'].variant}; {layers} layers, {H} heads, {Kh} kv heads, head dim {D}; "
           f"{'causal chain' if args.causal else 'tree'}; min of {args.repeats}")
-    head = f"{'thr':>3} {'L':>5} {'N':>3}" + "".join(f" {name + ' ms':>12} {'GFMA/s':>7}" for name in kerns)
-    print(head + ("  ratio" if len(kerns) > 1 else ""))
+    names = list(kerns) + (["this-bf16"] if args.bf16 else [])
+    head = f"{'thr':>3} {'L':>5} {'N':>3}" + "".join(f" {name + ' ms':>14} {'GFMA/s':>7}" for name in names)
+    print(head + ("  baseline/this" if args.baseline else "") + ("  float32/bf16" if args.bf16 else ""))
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         clock = time.process_time if threads == 1 else time.perf_counter
@@ -102,9 +105,12 @@ def main() -> None:
                     step = kern.attention_step(H, cos, sin, cache, L, allowed, D ** -0.5)
                     runs[name] = forward_fn(kern, step, qkv, layers)
                     outs[name] = runs[name]().clone()
+                if args.bf16:
+                    step = kerns["this"].attention_step(H, cos, sin, cache.to(torch.bfloat16), L, allowed, D ** -0.5)
+                    runs["this-bf16"] = forward_fn(kerns["this"], step, qkv, layers)
                 if len(outs) > 1 and not torch.equal(outs["this"], outs["baseline"]):
                     raise SystemExit(f"outputs differ at L={L} N={n}")
-                best = {name: float("inf") for name in kerns}
+                best = {name: float("inf") for name in runs}
                 for _ in range(args.repeats):
                     for name, run in runs.items():
                         t0 = clock()
@@ -115,9 +121,11 @@ def main() -> None:
                     visible = L * n + int(allowed.sum())
                 fma = 2 * D * H * visible * layers
                 line = f"{threads:>3} {L:>5} {n:>3}" + "".join(
-                    f" {best[k] * 1e3:>12.3f} {fma / best[k] / 1e9:>7.1f}" for k in kerns)
-                if len(kerns) > 1:
-                    line += f"  {best['baseline'] / best['this']:.2f}x"
+                    f" {best[k] * 1e3:>14.3f} {fma / best[k] / 1e9:>7.1f}" for k in runs)
+                if args.baseline:
+                    line += f"  {best['baseline'] / best['this']:>13.2f}x"
+                if args.bf16:
+                    line += f"  {best['this'] / best['this-bf16']:>11.2f}x"
                 print(line, flush=True)
 
 
