@@ -6,6 +6,10 @@ scale per block, ``d = max|x| / 127``, ``q = rint(x / d)`` as ``rint(x * (1 / d)
 integer quants are multiplied with them exactly in int32 (``vpdpbusd`` on VNNI), and each output sums the
 groups' scaled integer dot products in one fixed order (see the source for the exact float operations).
 
+`LeanForward(model, arith="int8")` runs every projection and the output head on these kernels, and keeps its KV
+caches in bfloat16 (`cpukernel.CpuKernels.attention_step`: each key and value rounded once when written, read
+back as the float32 it denotes; half the cache's memory traffic): both are part of what "int8" means.
+
 What is guaranteed (tests check each point):
 
 * Row independence: a row's result depends on that row alone, not on how many rows are computed with it,
