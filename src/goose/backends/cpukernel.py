@@ -364,8 +364,14 @@ class AttentionStep:
                  allowed: torch.Tensor | None, scale: float) -> None:
         for name, t, dims in (("cos", cos, 2), ("sin", sin, 2)):
             _check(t, f"attention: {name}", dims=dims)
-        if not isinstance(cache, torch.Tensor) or cache.dim() != 5:
-            raise ValueError("attention: cache must be a [layers, 2, Kh, capacity, D] tensor")
+        if not isinstance(cache, torch.Tensor):
+            raise ValueError(f"attention: cache must be a torch.Tensor, not {type(cache).__name__}")
+        if cache.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"attention: cache must be float32 or bfloat16, not {cache.dtype}")
+        if cache.device.type != "cpu":
+            raise ValueError(f"attention: cache must be on the CPU, not {cache.device}")
+        if cache.dim() != 5:
+            raise ValueError(f"attention: cache must have 5 dimensions, not shape {list(cache.shape)}")
         if not cache.is_contiguous():
             raise ValueError("attention needs float32 CPU tensors and a contiguous cache")
         if allowed is not None:
