@@ -228,14 +228,14 @@ inline __m512 exp_nonpositive512(__m512 x) {
 }
 #endif
 
-// Rotary embedding (Hugging Face's rotate_half convention) of one head x [D] -> o [D]:
-// o = x * cos + (-x[D/2:], x[:D/2]) * sin.
 // 8 floats from float32 or bfloat16 entries (a bfloat16 is the top half of the float32 it denotes)
 inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 ld8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
+// Rotary embedding (Hugging Face's rotate_half convention) of one head x [D] -> o [D]:
+// o = x * cos + (-x[D/2:], x[:D/2]) * sin.
 inline void rope(const float* x, const float* cos, const float* sin, int D, float* o) {
   const int h = D / 2;
   for (int d = 0; d < h; ++d) o[d] = x[d] * cos[d] - x[d + h] * sin[d];
@@ -1188,7 +1188,6 @@ void attention_groups(const float* qkv, int64_t H, int64_t Kh, int64_t D, const 
     for (int64_t j0 = 0; j0 < gr.Tmax; j0 += block) {
       const int64_t j1 = gr.Tmax - j0 < block ? gr.Tmax : j0 + block;
       const bool first = j0 == 0, final = j1 == gr.Tmax;
-
       for (int64_t c0 = tl.c0; c0 < tl.c1; c0 += Isa::kPassCols) {
         const int64_t cols = tl.c1 - c0 < Isa::kPassCols ? tl.c1 - c0 : Isa::kPassCols;
         const int W = static_cast<int>((cols + Isa::kVec - 1) / Isa::kVec), step = Isa::rows_for(W);

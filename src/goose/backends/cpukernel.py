@@ -391,8 +391,7 @@ class AttentionStep:
                 or (allowed is not None and allowed.shape != (n, n))):
             raise ValueError("attention: inconsistent shapes")
         self._keep = [t.contiguous() for t in (cos, sin)]  # alive as long as the step
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in self._keep) \
-                or cache.dtype not in (torch.float32, torch.bfloat16) or cache.device.type != "cpu":
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in self._keep):  # (the cache: above)
             raise ValueError("attention needs float32 CPU tensors and a contiguous float32 or bfloat16 cache")
         if allowed is not None and not bool(allowed.diagonal().all()):
             raise ValueError("attention: every new token must see itself (allowed[i, i])")
