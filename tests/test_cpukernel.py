@@ -450,6 +450,22 @@ def test_failed_build_is_reported_not_raised(monkeypatch, tmp_path):
     assert not list((tmp_path / "cache").rglob("*.so"))  # nothing half-built is left to be loaded later
 
 
+
+def test_a_library_name_hashes_the_headers_its_source_includes(tmp_path):
+    """An edit of a header rebuilds every library that includes it (their cache names hash it), and the real
+    kernel sources all take `prepare` from one header."""
+    (tmp_path / "k.cpp").write_text('#include <math.h>\n#include "a.h"\nint f() { return A + B; }\n')
+    (tmp_path / "a.h").write_text('#pragma once\n#include "b.h"\nconst int A = 1;\n')
+    (tmp_path / "b.h").write_text('#pragma once\n#include "a.h"\nconst int B = 2;\n')  # a cycle: read once each
+    text = cpukernel.source_text(tmp_path / "k.cpp")
+    assert text.count("const int A = 1;") == 1 and text.count("const int B = 2;") == 1 and "int f()" in text
+    (tmp_path / "b.h").write_text('#pragma once\n#include "a.h"\nconst int B = 3;\n')
+    assert cpukernel.source_text(tmp_path / "k.cpp") != text
+    prepare = (cpukernel.SOURCE.with_name("prepare.h")).read_text()
+    for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "int8_kernels.cpp"):
+        source = cpukernel.SOURCE.with_name(name)
+        assert prepare in cpukernel.source_text(source) and "void prepare(" not in source.read_text()
+
 # ---- LeanForward on the kernel ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama32_biased():

@@ -22,10 +22,10 @@ per output, the same per-lane arithmetic in attention);
 `goose.backends.quant` follow it too).
 
 Each variant is compiled once per machine with the system C++ compiler into
-``$XDG_CACHE_HOME/goose/kernels/`` (~2 s; the file name carries a hash of the source, the flags and the
-compiler, so an edit or another compiler rebuilds it) and loaded with ctypes. Its OpenMP threads are
-torch's own (the library links the libgomp torch has already loaded), so ``torch.set_num_threads``
-governs it too.
+``$XDG_CACHE_HOME/goose/kernels/`` (~2 s; the file name carries a hash of the source and the local headers it
+includes, the flags and the compiler, so an edit or another compiler rebuilds it) and loaded with ctypes. Its
+OpenMP threads are torch's own (the library links the libgomp torch has already loaded), so
+``torch.set_num_threads`` governs it too.
 
 `kernel()` returns the loaded kernel, or None, and `unavailable_reason()` says why not. It is None when:
 the CPU lacks AVX2/FMA or is not x86-64, torch is not built with GNU OpenMP, no compiler is found (``$CXX``,
@@ -42,6 +42,7 @@ import math
 import operator
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -115,18 +116,42 @@ def build_library(source: Path, variant: str) -> tuple[ctypes.CDLL | None, Path 
     cxx = _compiler()
     if cxx is None:
         return None, None, "no C++ compiler found ($CXX, c++, g++)"
-    flags = BASE_FLAGS + VARIANTS[variant][0]
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-        digest = hashlib.sha1("\n".join([source.read_text(), " ".join(flags), cxx, version]).encode()).hexdigest()[:16]
-        path = cache_root() / "kernels" / f"{source.stem}-{variant}-{digest}.so"
-        if not path.is_file():
-            failed = _build(cxx, flags, source, path)
-            if failed:
-                return None, None, failed
+        path, failed = built(cxx, BASE_FLAGS + VARIANTS[variant][0], source, variant)
+        if failed:
+            return None, None, failed
         return ctypes.CDLL(str(path)), path, None
     except (OSError, subprocess.SubprocessError) as exc:
         return None, None, f"building or loading {source.name} ({variant}) failed: {exc}"
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"', re.MULTILINE)
+
+
+def source_text(source: Path) -> str:
+    """The text of a kernel source and of the local headers it includes (``#include "name"``, from its folder,
+    recursively, each once): what a compiled library depends on, so what its cache name hashes."""
+    seen: list[Path] = []
+
+    def visit(path: Path) -> None:
+        if path in seen:
+            return
+        seen.append(path)
+        for name in _INCLUDE.findall(path.read_text()):
+            visit(path.with_name(name))
+
+    visit(source)
+    return "\n".join(path.read_text() for path in seen)
+
+
+def built(cxx: str, flags: list[str], source: Path, variant: str) -> tuple[Path, str | None]:
+    """The library of `source` compiled with `flags` in the kernel cache, compiled first when missing (`_build`):
+    ``(path, None)``, or ``(path, why the build failed)``. Its name hashes the source with its headers
+    (`source_text`), the flags and the compiler's version, so an edit or another compiler builds a new one."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha1("\n".join([source_text(source), " ".join(flags), cxx, version]).encode()).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"{source.stem}-{variant}-{digest}.so"
+    return path, None if path.is_file() else _build(cxx, flags, source, path)
 
 
 def _compiler() -> str | None:

@@ -35,7 +35,6 @@ like goose's other kernels (`goose.backends.cpukernel`); ``GOOSE_CPU_KERNEL=0`` 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import platform
 import subprocess
@@ -43,7 +42,6 @@ from pathlib import Path
 
 import torch
 
-from ..paths import cache_root
 from . import cpukernel
 from .quant import FORMATS, QuantWeight, run_linear
 
@@ -122,15 +120,10 @@ def _load(variant: str) -> tuple:
     cxx = cpukernel._compiler()
     if cxx is None:
         return None, "no C++ compiler found ($CXX, c++, g++)"
-    flags = BASE_FLAGS + VARIANTS[variant][0]
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-        digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(flags), cxx, version]).encode()).hexdigest()[:16]
-        path = cache_root() / "kernels" / f"{SOURCE.stem}-{variant}-{digest}.so"
-        if not path.is_file():
-            failed = cpukernel._build(cxx, flags, SOURCE, path)
-            if failed:
-                return None, failed
+        path, failed = cpukernel.built(cxx, BASE_FLAGS + VARIANTS[variant][0], SOURCE, variant)
+        if failed:
+            return None, failed
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"building or loading {SOURCE.name} ({variant}) failed: {exc}"

@@ -24,7 +24,7 @@
 // float chain is per output.
 //
 // in(x) and the fused options (RMSNorm before, gated silu * up, residual add) are those of
-// goose_quant_linear; this file's `prepare` is the same source, compiled without contraction.
+// goose_quant_linear; `prepare` is the same source (prepare.h), compiled here without contraction.
 
 #include <immintrin.h>
 #include <math.h>
@@ -39,6 +39,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+
+#include "prepare.h"  // `prepare`: RMSNorm or silu(gate) * up before a projection
 
 namespace {
 
@@ -873,34 +875,6 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
     rows<F>(r, a, m, K, packed + p * pbytes, y + m * N + p * kCols, N, cols, bias ? bias + p * kCols : nullptr, acc,
             m == 0);
   });
-}
-
-// in(x) for the rows of x, written to buf [M, K]: the source of quant_kernels.cpp's `prepare`.
-void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
-  // The threads split rows (and a gated row's values, in chunks of 256); every value is computed as written,
-  // whichever thread computes it.
-  if (gated) {
-    const int64_t chunks = (K + 255) / 256;
-#pragma omp parallel for collapse(2) schedule(static) if (M * K >= 8192)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = 0; c < chunks; ++c) {
-        float* o = buf + m * K;
-        const float* g = x + m * 2 * K;
-        const float* u = g + K;
-        const int64_t end = (c + 1) * 256 < K ? (c + 1) * 256 : K;
-        for (int64_t k = c * 256; k < end; ++k) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
-      }
-    return;
-  }
-#pragma omp parallel for schedule(static) if (M * K >= 8192)
-  for (int64_t m = 0; m < M; ++m) {
-    float* o = buf + m * K;
-    const float* r = x + m * K;
-    double ss = 0.0;
-    for (int64_t k = 0; k < K; ++k) ss += (double)r[k] * r[k];
-    const float scale = 1.0f / sqrtf((float)(ss / K) + eps);
-    for (int64_t k = 0; k < K; ++k) o[k] = norm[k] * (r[k] * scale);
-  }
 }
 
 }  // namespace

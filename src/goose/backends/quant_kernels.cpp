@@ -50,6 +50,8 @@
 
 #include <vector>
 
+#include "prepare.h"  // `prepare`: RMSNorm or silu(gate) * up before a projection
+
 namespace {
 
 constexpr int kCols = 16;  // output columns per panel
@@ -276,35 +278,6 @@ inline void rows(int r, const float* x, int64_t ldx, int64_t K, const uint8_t* c
     case 3: tile<F, 3, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
     case 2: tile<F, 2, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
     default: tile<F, 1, P, Prefetch>(x, ldx, K, w, y, ldy, cols, bias, accumulate); break;
-  }
-}
-
-// in(x) for the rows of x, written to buf [M, K]: the same code as cpu_kernels.cpp's `prepare` (so the
-// two kernels agree bit for bit on fused calls).
-void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
-  // The threads split rows (and a gated row's values, in chunks of 256); every value is computed as written,
-  // whichever thread computes it.
-  if (gated) {
-    const int64_t chunks = (K + 255) / 256;
-#pragma omp parallel for collapse(2) schedule(static) if (M * K >= 8192)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = 0; c < chunks; ++c) {
-        float* o = buf + m * K;
-        const float* g = x + m * 2 * K;
-        const float* u = g + K;
-        const int64_t end = (c + 1) * 256 < K ? (c + 1) * 256 : K;
-        for (int64_t k = c * 256; k < end; ++k) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
-      }
-    return;
-  }
-#pragma omp parallel for schedule(static) if (M * K >= 8192)
-  for (int64_t m = 0; m < M; ++m) {
-    float* o = buf + m * K;
-    const float* r = x + m * K;
-    double ss = 0.0;
-    for (int64_t k = 0; k < K; ++k) ss += (double)r[k] * r[k];
-    const float scale = 1.0f / sqrtf((float)(ss / K) + eps);
-    for (int64_t k = 0; k < K; ++k) o[k] = norm[k] * (r[k] * scale);
   }
 }
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import cachefs
+from ..backends.cpukernel import source_text
 from ..backends.tree_tensors import ancestor_mask, tree_depths
 from ..drafting.tree import BRANCH, DraftTree
 from ..paths import cache_root
@@ -41,12 +42,12 @@ _kernels_digest: list[str] = []
 
 
 def kernels_digest() -> str:
-    """A hash of goose's kernel sources: a new kernel measures its own curves."""
+    """A hash of goose's kernel sources and their headers: a new kernel measures its own curves."""
     if not _kernels_digest:
         h = hashlib.sha1()
         for name in _KERNEL_SOURCES:
             path = Path(__file__).parents[1] / "backends" / name
-            h.update(path.read_bytes() if path.exists() else b"")
+            h.update(source_text(path).encode() if path.exists() else b"")
         _kernels_digest.append(h.hexdigest()[:12])
     return _kernels_digest[0]
 
