@@ -1,11 +1,11 @@
-"""Methods (and `worth_margin` variants) on one `Engine` each, in interleaved rounds in one process, so the
-machine's drift hits every variant alike: the aggregate tokens/s of each over the first Spec-Bench question of
-every category (chat template, 128 new tokens, all submitted at once), and the median over rounds of each
-variant's ratio to the first variant in the same round (the figure to compare: a round's variants run minutes,
-not hours, apart). A variant is a method name, optionally ``@margin`` (`EngineConfig.worth_margin` for that
-run, default EngineConfig's).
+"""Methods (and `worth_margin` variants) through the `Engine`, compared in turns: each round gives every variant an
+engine of its own (``thread=False``) with the first Spec-Bench question of every category submitted at once (chat
+template, 128 new tokens), and one loop advances the engines one step each in turn (`Engine.step`) until all are
+done. Each variant's tokens/s counts the time of its own steps only, so the machine's drift hits every variant
+alike within a step or two; the figure to compare is the median over rounds of each variant's ratio to the
+first. A variant is a method name, optionally ``@margin`` (`EngineConfig.worth_margin`, default EngineConfig's).
 
-    .venv/bin/python benchmarks/concurrency_ab.py CONCURRENCY ar,goose[,goose@0.8] [--rounds 3] [--arith int8]
+    .venv/bin/python benchmarks/concurrency_ab.py CONCURRENCY ar,goose[,goose@100] [--rounds 4] [--arith int8]
 """
 
 from __future__ import annotations
@@ -25,38 +25,55 @@ from goose.decoding import encode
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
+def one_round(model, tok, prompts: list[list[int]], c: int, variants: list[str]) -> dict[str, tuple[float, list]]:
+    """Every variant's tokens/s over its own steps, and its outputs, for one round in turns."""
+    engines, reqs, spent = {}, {}, dict.fromkeys(variants, 0.0)
+    for v in variants:
+        m, _, wm = v.partition("@")
+        settings = EngineConfig(max_batch=c, **({"worth_margin": float(wm)} if wm else {}))
+        engines[v] = Engine(model, tok, m, engine_config=settings, thread=False)
+        reqs[v] = [engines[v].submit(p, 128) for p in prompts]
+    live = list(variants)
+    while live:
+        for v in list(live):
+            t = time.perf_counter()
+            if not engines[v].step():
+                live.remove(v)
+            spent[v] += time.perf_counter() - t
+    out = {}
+    for v in variants:
+        results = [r.result() for r in reqs[v]]
+        out[v] = (sum(len(r.token_ids) for r in results) / spent[v], [r.token_ids for r in results])
+        engines[v].close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("concurrency", type=int)
     ap.add_argument("variants", help="comma-separated: method or method@worth_margin; ratios are to the first")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--arith", default="exact", choices=("exact", "int8"))
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2-135m", arith=args.arith)
     prompts = [encode(tok, q.turns[0], True) for q in datasets.load(f"spec-bench:{SPEC}", None, 1)]
-    c, variants = args.concurrency, args.variants.split(",")
-    res: dict[str, list[float]] = {v: [] for v in variants}
+    variants = args.variants.split(",")
+    rates: dict[str, list[float]] = {v: [] for v in variants}
     outputs: dict[str, list] = {}
     for _ in range(args.rounds):
-        for v in variants:
-            m, _, wm = v.partition("@")
-            settings = EngineConfig(max_batch=c, **({"worth_margin": float(wm)} if wm else {}))
-            with Engine(model, tok, m, engine_config=settings) as eng:
-                t = time.perf_counter()
-                out = eng.generate_batch(prompts, 128)
-                wall = time.perf_counter() - t
-            res[v].append(sum(len(r.token_ids) for r in out) / wall)
-            outputs.setdefault(v, [r.token_ids for r in out])
-    first, base = outputs[variants[0]], res[variants[0]]
-    print(f"concurrency {c}, {len(prompts)} requests, arith {args.arith}, {args.threads} threads, CPU: {cpu_name()}; "
-          f"{args.rounds} rounds")
-    for v, xs in res.items():
+        for v, (rate, tokens) in one_round(model, tok, prompts, args.concurrency, variants).items():
+            rates[v].append(rate)
+            outputs.setdefault(v, tokens)
+    first, base = outputs[variants[0]], rates[variants[0]]
+    print(f"concurrency {args.concurrency}, {len(prompts)} requests, arith {args.arith}, {args.threads} threads, "
+          f"CPU: {cpu_name()}; {args.rounds} rounds, engines in turns step by step")
+    for v, xs in rates.items():
         same = sum(a == b for a, b in zip(outputs[v], first))
         ratios = [x / b for x, b in zip(xs, base)]
         print(f"{v}: median {statistics.median(xs):.1f} tok/s {[round(x, 1) for x in xs]}; vs {variants[0]} "
-              f"{statistics.median(ratios):.3f}x (rounds {min(ratios):.2f}-{max(ratios):.2f}); outputs equal to "
+              f"{statistics.median(ratios):.3f}x (rounds {min(ratios):.3f}-{max(ratios):.3f}); outputs equal to "
               f"{variants[0]}'s: {same}/{len(first)}")
 
 

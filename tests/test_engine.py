@@ -329,3 +329,23 @@ def test_engine_loop_on_the_callers_thread(models):
         eng.submit([3], 5)
     with Engine(model, None, "ar") as threaded, pytest.raises(GooseError, match="own thread"):
         threaded.run()
+
+
+def test_engines_stepped_in_turns_on_one_thread(models):
+    """Engine(thread=False).step(): two engines driven in turns from one loop, one step each, decode what greedy
+    decoding does; step() does nothing (False) once no request is queued or running, and a threaded engine
+    refuses it."""
+    model = models["float32"]
+    prompts = [[4, 5, 6], [7, 8, 9, 7, 8], [3] * 5]
+    engines = [Engine(model, None, m, max_batch=2, thread=False) for m in ("goose", "ar")]
+    reqs = [[eng.submit(p, 12) for p in prompts] for eng in engines]
+    steps = [0, 0]
+    while any(not r.done for rs in reqs for r in rs):
+        for i, eng in enumerate(engines):
+            steps[i] += eng.step()
+    assert [[r.result().token_ids for r in rs] for rs in reqs] == [[greedy_memo(model, p, 12) for p in prompts]] * 2
+    assert all(n >= 12 for n in steps) and not any(eng.step() for eng in engines)
+    for eng in engines:
+        eng.close()
+    with Engine(model, None, "ar") as threaded, pytest.raises(GooseError, match="own thread"):
+        threaded.step()

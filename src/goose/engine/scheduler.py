@@ -353,6 +353,24 @@ class Engine:
         finally:
             self._runner_done.set()
 
+    def step(self) -> bool:
+        """With ``thread=False``: one step of the loop on this thread, without waiting (queued requests are
+        admitted, the running ones advance by one forward); False when no request is queued or running (nothing
+        was done). For a caller that drives several engines in turns (`benchmarks/concurrency_ab.py`) or its own
+        loop. A failure of the loop itself ends the engine as in `run()` and is raised here."""
+        if self._thread is not None:
+            raise GooseError("this engine runs its own thread; step() is for Engine(..., thread=False)")
+        if self._runner is not None:
+            raise GooseError("the engine's loop is already running (run())")
+        with self._cond:
+            if not self._waiting and not self._running:
+                return False
+        try:
+            return self._next_step()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
     def __enter__(self) -> "Engine":
         return self
 
@@ -380,20 +398,24 @@ class Engine:
             while self._next_step():
                 pass
         except BaseException as exc:  # the engine cannot go on: every request learns why
-            self.failure = f"{type(exc).__name__}: {exc}"
-            log.error("the engine stopped: %s", self.failure, exc_info=exc)
-            with self._cond:
-                self._closed = True
-                for r in [*self._waiting, *self._running]:
-                    try:
-                        r._finish("error", GooseError(f"the engine stopped: {self.failure}"))
-                    except BaseException:  # noqa: BLE001 - one broken request must not keep the others waiting
-                        r._done.set()
-                self._waiting.clear()
-                self._running.clear()
-                self._cond.notify_all()
+            self._fail(exc)
             if self._thread is None:
                 raise  # run() on the caller's thread: the caller sees it
+
+    def _fail(self, exc: BaseException) -> None:
+        """The loop failed: record why, fail every queued and running request with it, refuse new ones."""
+        self.failure = f"{type(exc).__name__}: {exc}"
+        log.error("the engine stopped: %s", self.failure, exc_info=exc)
+        with self._cond:
+            self._closed = True
+            for r in [*self._waiting, *self._running]:
+                try:
+                    r._finish("error", GooseError(f"the engine stopped: {self.failure}"))
+                except BaseException:  # noqa: BLE001 - one broken request must not keep the others waiting
+                    r._done.set()
+            self._waiting.clear()
+            self._running.clear()
+            self._cond.notify_all()
 
     @staticmethod
     def _guard(r: Request, stage: str | None, fn, *args) -> bool:
