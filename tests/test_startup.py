@@ -190,7 +190,7 @@ def test_quiet_measurement_uses_every_pass_and_is_cached(tmp_path):
 
 def test_slow_measurement_stops_at_the_budget(tmp_path):
     clock = FakeClock()
-    fwd = FakeForward(clock, ms=lambda n: 1000.0)  # a second per forward: a pass is 14 s
+    fwd = FakeForward(clock, ms=lambda n: 1000.0)  # a second per forward: a pass is 30 s
     curve = costmodel.load_or_measure(FakeModel(), fwd, path=tmp_path / "c.json", budget_s=10.0, clock=clock)
     assert _grid_passes(fwd) == 1 + costmodel.MIN_REPEATS  # warm-up and the minimum, then the budget is spent
     assert len(curve.sizes) == len(costmodel.GRID) and (tmp_path / "c.json").is_file()  # steady: cached
