@@ -209,7 +209,8 @@ def test_best_child_bounds_every_path_probability(data):
         spine_ok = parent == 0 or tree.sources[parent] == SPINE
         tree.add(parent, i, SPINE if spine_ok and data.draw(st.booleans()) else BRANCH, data.draw(st.integers(0, 12)))
     keys = acc.keys(tree, kind)
-    for _ in range(data.draw(st.integers(0, 30))):  # learn from random walks down the tree
+    has_spine = any(tree.sources[i] == SPINE for i in range(1, n))
+    for _ in range(data.draw(st.integers(0, 30))):  # learn from random walks down the tree, asking after each
         path = [0]
         while True:
             kids = [i for i in range(1, n) if tree.parents[i] == path[-1]]
@@ -217,10 +218,10 @@ def test_best_child_bounds_every_path_probability(data):
                 break
             path.append(data.draw(st.sampled_from(kids)))
         acc.update(tree, keys, WalkResult(path, 0))
-    has_spine = any(tree.sources[i] == SPINE for i in range(1, n))
-    bound = acc.best_child(kind, has_spine)
+        probs = path_probs(tree, acc.node_probs(tree, kind)[0])
+        assert max(probs[1:]) <= acc.best_child(kind, has_spine) + 1e-12  # the kept branch bound follows the counts
     probs = path_probs(tree, acc.node_probs(tree, kind)[0])
-    assert max(probs[1:]) <= bound + 1e-12
+    assert max(probs[1:]) <= acc.best_child(kind, has_spine) + 1e-12
 
 
 def test_candidates_skip_the_tree_below_min_prob(tiny_model):

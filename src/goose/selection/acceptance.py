@@ -49,9 +49,11 @@ class AcceptanceModel:
     def __init__(self, cfg: AcceptanceConfig = AcceptanceConfig()) -> None:
         self.cfg = cfg
         self.counts: dict[tuple, list[float]] = {}  # key -> [accepted, trials]
+        self._best_branch: float | None = None  # the best depth-1 branch probability (asked by every request's step)
 
     def reset(self) -> None:
         self.counts.clear()
+        self._best_branch = None
 
     def _prior(self, key: tuple) -> float:
         if key[0] == "s":
@@ -86,13 +88,18 @@ class AcceptanceModel:
         """The highest acceptance probability any child of the root can have (a spine child of match `kind`
         when `spine`, a branch child of any rank): every node's path probability is at most its depth-1
         ancestor's."""
-        best = max(self.prob(("b", r, 1)) for r in range(self.cfg.max_rank + 1))
+        best = self._branch_best()
         return max(best, self.prob(("s", kind, _spine_bucket(1)))) if spine else best
 
     def memory_best(self, rank: int) -> float:
         """`best_child` for a root whose memory child has group `rank` (adjacency children included)."""
-        best = max(self.prob(("b", r, 1)) for r in range(self.cfg.max_rank + 1))
-        return max(best, self.prob(("m", min(rank, 7), _spine_bucket(1))))
+        return max(self._branch_best(), self.prob(("m", min(rank, 7), _spine_bucket(1))))
+
+    def _branch_best(self) -> float:
+        """The highest probability of a branch child of the root, any rank (kept until the counts change)."""
+        if self._best_branch is None:
+            self._best_branch = max(self.prob(("b", r, 1)) for r in range(self.cfg.max_rank + 1))
+        return self._best_branch
 
     def memory_reach(self, ranks: list[int], min_prob: float) -> int:
         """How many leading nodes of a memory spine with groups `ranks` keep a path probability >= `min_prob`."""
@@ -118,6 +125,7 @@ class AcceptanceModel:
         return [1.0] + [self.prob(k) for k in keys[1:]], keys
 
     def update(self, tree: DraftTree, keys: list[tuple], walk: WalkResult) -> None:
+        self._best_branch = None
         on_path = set(walk.path)
         for i in range(1, len(tree)):
             if tree.parents[i] in on_path:
