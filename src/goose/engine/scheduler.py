@@ -343,10 +343,7 @@ class Engine:
     def run(self) -> None:
         """With ``thread=False``: run the step loop on this thread until `close()` (called from another
         thread) and the queued and running requests are finished."""
-        if self._thread is not None:
-            raise GooseError("this engine runs its own thread; run() is for Engine(..., thread=False)")
-        if self._runner is not None:
-            raise GooseError("the engine's loop is already running")
+        self._callers_loop("run()")
         self._runner = threading.current_thread()
         try:
             self._loop()
@@ -358,10 +355,7 @@ class Engine:
         admitted, the running ones advance by one forward); False when no request is queued or running (nothing
         was done). For a caller that drives several engines in turns (`benchmarks/concurrency_ab.py`) or its own
         loop. A failure of the loop itself ends the engine as in `run()` and is raised here."""
-        if self._thread is not None:
-            raise GooseError("this engine runs its own thread; step() is for Engine(..., thread=False)")
-        if self._runner is not None:
-            raise GooseError("the engine's loop is already running (run())")
+        self._callers_loop("step()")
         with self._cond:
             if not self._waiting and not self._running:
                 return False
@@ -370,6 +364,14 @@ class Engine:
         except BaseException as exc:
             self._fail(exc)
             raise
+
+    def _callers_loop(self, call: str) -> None:
+        """`call` (run() or step()) drives the loop from the caller: refused when the engine runs its own thread
+        or `run()` already loops."""
+        if self._thread is not None:
+            raise GooseError(f"this engine runs its own thread; {call} is for Engine(..., thread=False)")
+        if self._runner is not None:
+            raise GooseError("the engine's loop is already running (run())")
 
     def __enter__(self) -> "Engine":
         return self
