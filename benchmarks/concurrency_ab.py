@@ -3,7 +3,8 @@ engine of its own (``thread=False``) with the first Spec-Bench question of every
 template, 128 new tokens), and one loop advances the engines one step each in turn (`Engine.step`) until all are
 done. Each variant's tokens/s counts the time of its own steps only, so the machine's drift hits every variant
 alike within a step or two; the figure to compare is the median over rounds of each variant's ratio to the
-first. A variant is a method name, optionally ``@margin`` (`EngineConfig.worth_margin`, default EngineConfig's).
+first; so is each variant's mean request latency (its own step time from the submission of all requests to each
+one's end). A variant is a method name, optionally ``@margin`` (`EngineConfig.worth_margin`, default EngineConfig's).
 
     .venv/bin/python benchmarks/concurrency_ab.py CONCURRENCY ar,goose[,goose@100] [--rounds 4] [--arith int8]
 """
@@ -25,9 +26,10 @@ from goose.decoding import encode
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
-def one_round(model, tok, prompts: list[list[int]], c: int, variants: list[str]) -> dict[str, tuple[float, list]]:
-    """Every variant's tokens/s over its own steps, and its outputs, for one round in turns."""
-    engines, reqs, spent = {}, {}, dict.fromkeys(variants, 0.0)
+def one_round(model, tok, prompts: list[list[int]], c: int, variants: list[str]) -> dict[str, tuple]:
+    """Every variant's tokens/s over its own steps, its requests' mean latency (seconds of its own steps from the
+    submission of all to each one's end) and its outputs, for one round in turns."""
+    engines, reqs, spent, ends = {}, {}, dict.fromkeys(variants, 0.0), {v: {} for v in variants}
     for v in variants:
         m, _, wm = v.partition("@")
         settings = EngineConfig(max_batch=c, **({"worth_margin": float(wm)} if wm else {}))
@@ -40,10 +42,14 @@ def one_round(model, tok, prompts: list[list[int]], c: int, variants: list[str])
             if not engines[v].step():
                 live.remove(v)
             spent[v] += time.perf_counter() - t
+            for i, r in enumerate(reqs[v]):
+                if i not in ends[v] and r.done:
+                    ends[v][i] = spent[v]
     out = {}
     for v in variants:
         results = [r.result() for r in reqs[v]]
-        out[v] = (sum(len(r.token_ids) for r in results) / spent[v], [r.token_ids for r in results])
+        out[v] = (sum(len(r.token_ids) for r in results) / spent[v], statistics.fmean(ends[v].values()),
+                  [r.token_ids for r in results])
         engines[v].close()
     return out
 
@@ -61,20 +67,24 @@ def main() -> None:
     prompts = [encode(tok, q.turns[0], True) for q in datasets.load(f"spec-bench:{SPEC}", None, 1)]
     variants = args.variants.split(",")
     rates: dict[str, list[float]] = {v: [] for v in variants}
+    lats: dict[str, list[float]] = {v: [] for v in variants}
     outputs: dict[str, list] = {}
     for _ in range(args.rounds):
-        for v, (rate, tokens) in one_round(model, tok, prompts, args.concurrency, variants).items():
+        for v, (rate, lat, tokens) in one_round(model, tok, prompts, args.concurrency, variants).items():
             rates[v].append(rate)
+            lats[v].append(lat)
             outputs.setdefault(v, tokens)
-    first, base = outputs[variants[0]], rates[variants[0]]
+    first, base, base_lat = outputs[variants[0]], rates[variants[0]], lats[variants[0]]
     print(f"concurrency {args.concurrency}, {len(prompts)} requests, arith {args.arith}, {args.threads} threads, "
           f"CPU: {cpu_name()}; {args.rounds} rounds, engines in turns step by step")
     for v, xs in rates.items():
         same = sum(a == b for a, b in zip(outputs[v], first))
         ratios = [x / b for x, b in zip(xs, base)]
+        lat = [b / x for x, b in zip(lats[v], base_lat)]  # > 1: requests end sooner on average
         print(f"{v}: median {statistics.median(xs):.1f} tok/s {[round(x, 1) for x in xs]}; vs {variants[0]} "
-              f"{statistics.median(ratios):.3f}x (rounds {min(ratios):.3f}-{max(ratios):.3f}); outputs equal to "
-              f"{variants[0]}'s: {same}/{len(first)}")
+              f"{statistics.median(ratios):.3f}x (rounds {min(ratios):.3f}-{max(ratios):.3f}); mean latency "
+              f"{statistics.median(lats[v]):.2f} s, {statistics.median(lat):.3f}x shorter (rounds {min(lat):.3f}-"
+              f"{max(lat):.3f}); outputs equal to {variants[0]}'s: {same}/{len(first)}")
 
 
 if __name__ == "__main__":

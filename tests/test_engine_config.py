@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import random
+import weakref
 
 import pytest
 import torch
@@ -27,7 +29,7 @@ def model32():
     ("max_batch", 0), ("max_batch", 2.5), ("max_batch", True), ("max_queue", -1), ("prefill_chunk", 0),
     ("prefix_cache_mb", -1), ("prefix_cache_mb", math.nan), ("prefix_cache_mb", math.inf), ("prefix_cache_mb", "8"),
     ("worth_margin", -0.5), ("worth_margin", math.nan), ("worth_rows", 0), ("tree_room", -1),
-    ("weights_check_steps", 0),
+    ("weights_check_steps", 0), ("freeze_gc", 1), ("freeze_gc", None),
 ])
 def test_bad_settings_raise_one_clear_error_naming_the_setting(field, value):
     with pytest.raises(GooseError, match=field):
@@ -63,7 +65,7 @@ def test_engine_takes_a_config_or_keywords_not_both(model32):
 
 @pytest.mark.parametrize("settings", [
     EngineConfig(max_batch=3, worth_margin=0.0, worth_rows=1, tree_room=0, weights_check_steps=1),
-    EngineConfig(max_batch=3, worth_margin=50.0, worth_rows=8, prefill_chunk=3, prefix_cache_mb=0),
+    EngineConfig(max_batch=3, worth_margin=50.0, worth_rows=8, prefill_chunk=3, prefix_cache_mb=0, freeze_gc=False),
 ])
 def test_speed_settings_never_change_a_token(model32, settings):
     """Every setting shapes only which trees are built and how the work is cut: each request's tokens are
@@ -74,6 +76,37 @@ def test_speed_settings_never_change_a_token(model32, settings):
         reqs = [eng.submit(p, 16) for p in prompts]
         outs = [r.result(timeout=300).token_ids for r in reqs]
     assert outs == [greedy_memo(model32, p, 16) for p in prompts]
+
+
+class _Node:
+    other = None
+
+
+def test_freeze_gc_freezes_what_the_caller_holds_and_the_weights_still_go_with_their_last_reference():
+    """`freeze_gc` (default) moves the objects alive at construction out of later collections (gc.freeze), after
+    collecting the garbage; False leaves the collector as it is. A model and its engine hold no reference cycle,
+    so dropping them frees the weights although they were frozen."""
+    gc.unfreeze()
+    try:
+        model = make_tiny_llama(torch.float32, seed=6)
+        with Engine(model, None, "goose", engine_config=EngineConfig(max_batch=2, freeze_gc=False)) as eng:
+            assert eng.generate([3, 4, 5], 4).token_ids == greedy_memo(model, [3, 4, 5], 4)
+        assert gc.get_freeze_count() == 0
+        garbage = _Node()
+        garbage.other = _Node()
+        garbage.other.other = garbage  # a cycle no one holds: collected, not frozen
+        probe = weakref.ref(garbage)
+        del garbage
+        eng = Engine(model, None, "goose", engine_config=EngineConfig(max_batch=2))
+        assert probe() is None and gc.get_freeze_count() > 0
+        frozen = gc.get_freeze_count()
+        assert eng.generate([3, 4, 5], 4).token_ids == greedy_memo(model, [3, 4, 5], 4)
+        weight = weakref.ref(next(model.parameters()))
+        eng.close()
+        del eng, model
+        assert weight() is None and gc.get_freeze_count() <= frozen
+    finally:
+        gc.unfreeze()
 
 
 def test_protocol_defaults_are_inherited(model32):

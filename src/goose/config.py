@@ -309,6 +309,10 @@ class EngineConfig:
     worth_rows: int = 4  # the marginal cost of a draft row is averaged over this many rows (the curve has flat steps)
     tree_room: int = 160  # cache entries reserved beyond prompt + max_new_tokens for a step's tree (more still fit)
     weights_check_steps: int = 8  # steps between weights checks while no request joins or finishes
+    # the Engine's constructor collects garbage, then leaves every object alive then (the libraries, the model)
+    # out of Python's later cyclic collections (gc.freeze): a full collection otherwise walks them all (~360k
+    # objects with torch, transformers and SmolLM2 loaded: ~200 ms, a stall of every request in flight)
+    freeze_gc: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_batch) or self.max_batch < 1:
@@ -328,6 +332,8 @@ class EngineConfig:
                 raise GooseError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         if not _is_int(self.tree_room) or self.tree_room < 0:
             raise GooseError(f"tree_room must be an integer >= 0, got {self.tree_room}")
+        if not isinstance(self.freeze_gc, bool):
+            raise GooseError(f"freeze_gc must be True or False, got {self.freeze_gc!r}")
 
     @property
     def prefix_cache_bytes(self) -> int:
