@@ -247,6 +247,22 @@ def test_candidates_skip_the_tree_below_min_prob(tiny_model):
     m.candidates(7, 6, None, min_prob=1e-6)
     m.harvest([7], [6], logits)
     assert m.adj.successors(7, 6)[0][0] == 3
+    # a threshold between the best branch and the spine's first node: the spine alone, and no harvest
+    m.begin([5, 6, 7, 5, 6, 7, 5, 6] * 4)
+    full = m.candidates(7, 6)
+    assert BRANCH in full.tree.sources and SPINE in full.tree.sources
+    spine_p, branch_p = m.acc.best_child(m._kind, True), m.acc.branch_best()
+    assert branch_p < spine_p
+    mid = (branch_p + spine_p) / 2
+    spine_only = m.candidates(7, 6, None, min_prob=mid)
+    assert 1 < len(spine_only.tree) and set(spine_only.tree.sources[1:]) == {SPINE}
+    assert spine_only.tree.tokens == full.tree.tokens[:len(spine_only.tree)]  # the same spine first
+    logits[0, 3], logits[0, 4] = 0.0, 5.0
+    m.harvest([7], [6], logits)
+    assert m.adj.successors(7, 6)[0][0] == 3  # not learned
+    assert BRANCH in m.candidates(7, 6, None, min_prob=branch_p / 2).tree.sources
+    m.harvest([7], [6], logits)
+    assert m.adj.successors(7, 6)[0][0] == 4
     # the threshold: tokens per ms of a plain step times a row's marginal cost, 0 without a curve
     cost = BatchCostCurve.single(CostCurve((1, 4, 16), (10.0, 12.0, 20.0)))
     assert _worth(None, 1, 1, 1.0) == 0.0

@@ -45,6 +45,7 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
     import torch
 
     from ..backends.quant import weights_kind
+    from ..engine.scheduler import freeze_heap
     from ..loading.model import load_model, resolve_device
     from . import store
     from .engines import load_baseline, method_settings
@@ -75,6 +76,7 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
         else None
     runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"],
                     sampling=pinned["sampling"], baseline=baseline, memory_mb=memory_mb or 0)
+    freeze_heap()  # no method's timing may hold a ~200 ms full collection of the libraries and models
     meta = {**store.environment(pinned["model"], model, args.dtype, args.device, argv), **pinned,
             "weights": weights_kind(model), "baseline_weights": None if baseline is None else "float32 (transformers)",
             "dataset": dataset, "repeats": args.repeats,

@@ -83,9 +83,10 @@ class _Brancher:
 
 def build_spine_tree(anchor: int, prev_anchor: int | None, chain: list[int], confidence: float,
                      ema: float, adj: AdjacencyTable, cfg: GooseConfig, cap: int | None = None,
-                     spine_ranks: list[int] | None = None, alternatives=()) -> DraftTree:
+                     spine_ranks: list[int] | None = None, alternatives=(), branches: bool = True) -> DraftTree:
     """The GOOSE tree for one step (spec §5); with no chain it is a pure adjacency tree. `cap`: at most this
-    many nodes, root included, whatever the chain's confidence allows.
+    many nodes, root included, whatever the chain's confidence allows. `branches`: False builds the spine (and
+    any memory alternatives) without adjacency branches.
 
     A spine from the suffix memory comes with `spine_ranks` (its nodes are MEMORY nodes of these ranks) and
     `alternatives`: (spine index or -1 for the root, tokens, rank) paths hung as MEMORY nodes before any
@@ -111,6 +112,8 @@ def build_spine_tree(anchor: int, prev_anchor: int | None, chain: list[int], con
                 parent = tree.add(parent, tok, MEMORY, rank)
                 if parent < 0:
                     break
+    if not branches:
+        return tree
     n_spine = len(spine)
     branch_budget = budget - 1 - n_spine
     spine_share = max(1, int(branch_budget * tcfg.spine_branch_share)) if n_spine and branch_budget > 0 else 0

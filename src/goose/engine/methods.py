@@ -219,7 +219,7 @@ class DeviceAwareGoose(GoosePaper):
         self.acc = AcceptanceModel(cfg.device_aware.acceptance)
         self.prefill_harvest = cfg.device_aware.prefill_harvest
         self._kind = SHORT
-        self._idle = False  # the last `candidates` call built no tree because no draft could pay (see harvest)
+        self._learn = True  # harvest the next verified step (False: its candidates had no branch that could pay)
         self._set_cost(cost)
 
     def _set_cost(self, cost: CostCurve | None) -> None:
@@ -235,7 +235,7 @@ class DeviceAwareGoose(GoosePaper):
 
     def start(self) -> None:
         super().start()
-        self._idle = False  # before the prefill, whose chunks are harvested
+        self._learn = True  # before the prefill, whose chunks are harvested
 
     def begin(self, tokens: list[int]) -> None:
         super().begin(tokens)
@@ -245,21 +245,23 @@ class DeviceAwareGoose(GoosePaper):
     def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
                    min_prob: float = 0.0) -> Candidates:
         """The candidate tree (cut at `max_depth`) and its nodes' path probabilities; the step loop chooses
-        the subtree to verify (`selector.allocate`, for one request the same rule as `draft`). When no
-        child of the root can be accepted with probability `min_prob` or more, the tree is not built (a
-        plain step: the caller's estimate of what a node must bring to pay for its row)."""
+        the subtree to verify (`selector.allocate`, for one request the same rule as `draft`). `min_prob`:
+        the caller's estimate of the path probability a node must reach to pay for its row. When no child of
+        the root can reach it, the tree is not built (a plain step); when no adjacency branch can
+        (`AcceptanceModel.branch_best`), the tree is its spine alone. Either way the step is not harvested."""
         first = self.index.propose()
         self._kind = match_kind(first.consensus, len(first.chain))
         mem = self._memory_draft(first)
         if mem is not None:
             return self._memory_candidates(anchor, prev, mem, max_depth, min_prob)
-        self._idle = min_prob > 0 and self.acc.best_child(self._kind, bool(first.chain)) < min_prob
-        if self._idle:  # (an extended chain is empty exactly when `first`'s is)
+        if min_prob > 0 and self.acc.best_child(self._kind, bool(first.chain)) < min_prob:
+            self._learn = False  # (an extended chain is empty exactly when `first`'s is)
             return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
+        self._learn = min_prob <= 0 or self.acc.branch_best() >= min_prob
         prop = self.index.propose_extended(self.cfg.ngram, first)
         reach = self.acc.spine_reach(self._kind, len(prop.chain), min_prob) if min_prob > 0 else 0
         cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg,
-                                cap=load_budget(min_prob, reach, self.cfg.device_aware))
+                                cap=load_budget(min_prob, reach, self.cfg.device_aware), branches=self._learn)
         return self._priced(cand, max_depth)
 
     def _priced(self, cand: DraftTree, max_depth: int | None) -> Candidates:
@@ -285,26 +287,30 @@ class DeviceAwareGoose(GoosePaper):
                            min_prob: float) -> Candidates:
         """A spine tree whose spine (and its alternatives) come from the memory, adjacency branches around."""
         ranks = [memory_rank(c, t, mem.match) for c, t in zip(mem.counts, mem.totals)]
-        self._idle = min_prob > 0 and self.acc.memory_best(ranks[0]) < min_prob
-        if self._idle:
+        if min_prob > 0 and self.acc.memory_best(ranks[0]) < min_prob:
+            self._learn = False
             return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
+        self._learn = min_prob <= 0 or self.acc.branch_best() >= min_prob
         reach = self.acc.memory_reach(ranks, min_prob) if min_prob > 0 else 0
         alternatives = [(at, toks, memory_rank(c, t, mem.match)) for at, toks, c, t in mem.branches]
         cand = build_spine_tree(anchor, prev, mem.spine, chain_confidence(len(mem.spine), ranks[0] == 0), 1.0,
                                 self.adj, self.candidate_cfg, cap=load_budget(min_prob, reach, self.cfg.device_aware),
-                                spine_ranks=ranks, alternatives=alternatives)
+                                spine_ranks=ranks, alternatives=alternatives, branches=self._learn)
         return self._priced(cand, max_depth)
 
     def draft(self, anchor: int, prev: int | None) -> DraftTree:
         return allocate([self.candidates(anchor, prev)], cost=self.cost_table)[0]
 
     def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
-        """As every adjacency method, except after a step whose candidates were not built because no draft
-        could pay for its row (`candidates` with `min_prob`, under load): that step's one row is not
-        harvested either, so a request that cannot speculate costs what an `ar` request costs. Its table
-        misses that position's successors; drafts only, never outputs, depend on it."""
-        if self._idle:
-            self._idle = False
+        """As every adjacency method, except after a step whose candidates held no adjacency branch because
+        none could pay for its row (`candidates` with `min_prob`): that step is not harvested, so a request
+        that cannot use the table does not pay for filling it (the vocabulary-wide top-k of each row), and a
+        request that cannot speculate at all costs what an `ar` request costs. The table misses those
+        positions' successors; drafts only, never outputs, depend on it. `min_prob` carries the step loop's
+        `worth_margin`, so a branch below it could still have been chosen now and then (on the Zen 5 table
+        of docs/performance.md, 6 of 1,262 drafted nodes were branches before this rule)."""
+        if not self._learn:
+            self._learn = True
             return
         super().harvest(tokens, prevs, logits)
 

@@ -88,15 +88,16 @@ class AcceptanceModel:
         """The highest acceptance probability any child of the root can have (a spine child of match `kind`
         when `spine`, a branch child of any rank): every node's path probability is at most its depth-1
         ancestor's."""
-        best = self._branch_best()
+        best = self.branch_best()
         return max(best, self.prob(("s", kind, _spine_bucket(1)))) if spine else best
 
     def memory_best(self, rank: int) -> float:
         """`best_child` for a root whose memory child has group `rank` (adjacency children included)."""
-        return max(self._branch_best(), self.prob(("m", min(rank, 7), _spine_bucket(1))))
+        return max(self.branch_best(), self.prob(("m", min(rank, 7), _spine_bucket(1))))
 
-    def _branch_best(self) -> float:
-        """The highest probability of a branch child of the root, any rank (kept until the counts change)."""
+    def branch_best(self) -> float:
+        """The highest probability of a branch child of the root, any rank (kept until the counts change): an
+        upper bound on the path probability of every adjacency branch node, wherever it hangs."""
         if self._best_branch is None:
             self._best_branch = max(self.prob(("b", r, 1)) for r in range(self.cfg.max_rank + 1))
         return self._best_branch
