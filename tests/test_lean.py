@@ -39,12 +39,12 @@ def _finish(model, dtype, scale: float):
     return model
 
 
-def tiny_llama(dtype=torch.float64, seed=0, layers=3, scale=6.0, **extra):
+def tiny_llama(dtype=torch.float64, seed=0, layers=3, scale=6.0, heads=4, **extra):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), max_position_embeddings=1024,
                       eos_token_id=EOS, bos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
                       attn_implementation="sdpa", **extra)
     return _finish(LlamaForCausalLM(cfg), dtype, scale)
@@ -395,6 +395,41 @@ def test_rope_scaling_variant_matches_hf():
     model = tiny_llama(layers=2, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
     script = call_script(6, steps=6)
     assert_same(play(LeanForward(model), script), play(HFForward(model), script), atol=1e-9)
+
+
+@pytest.mark.parametrize("heads, dtype", [(2, torch.float64), (1, torch.float32), (2, torch.float32)])
+def test_rope_table_holds_the_rotary_modules_bits(heads, dtype):
+    """Head sizes of 32 and 64 read cos/sin from a table filled by the model's own rotary module: every
+    position's row equals a call of the module on that position alone or among others, the table grows in
+    whole blocks on demand, and the forward still matches Hugging Face's (the float32 one: the same tokens)."""
+    from goose.backends.lean import ROPE_BLOCK
+
+    model = tiny_llama(dtype, heads=heads, layers=2)
+    lean = LeanForward(model)
+    assert lean.rope is not None and lean.rope.cos.shape[0] % ROPE_BLOCK == 0
+    rng = random.Random(heads)
+    lean.rope.grow(3 * ROPE_BLOCK + 1)
+    assert lean.rope.cos.shape[0] >= 4 * ROPE_BLOCK
+    for _ in range(5):
+        pos = [rng.randrange(4 * ROPE_BLOCK) for _ in range(rng.randint(1, 9))]
+        cos, sin = lean.rope.module(torch.tensor(pos))
+        assert torch.equal(cos, lean.rope.cos[pos]) and torch.equal(sin, lean.rope.sin[pos])
+    script = call_script(9, steps=6)
+    assert_same(play(lean, script), play(HFForward(model), script), atol=1e-9 if dtype == torch.float64 else 2e-4)
+    if dtype == torch.float32:
+        prompt = [rng.randrange(2, VOCAB) for _ in range(12)]
+        out = Decoder(model, None, "goose", forward=LeanForward(model)).generate(prompt, 24).token_ids
+        assert out == hf_greedy(model, prompt, 24, EOS)
+
+
+def test_rope_table_is_not_used_where_a_position_alone_does_not_fix_its_values():
+    """A head size whose rows could fall in PyTorch's scalar loop tails (16 here), and rope types that
+    rescale with the sequence (dynamic), call the rotary module every forward, and still match HF."""
+    assert LeanForward(tiny_llama(layers=1)).rope is None
+    dyn = tiny_llama(layers=2, heads=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert LeanForward(dyn).rope is None
+    script = call_script(5, steps=6)
+    assert_same(play(LeanForward(dyn), script), play(HFForward(dyn), script), atol=1e-9)
 
 
 def test_cache_sized_once_for_the_expected_length():

@@ -25,7 +25,9 @@ overhead and MKL's slow small-M `F.linear` (ENGINEERING.md, "How close a forward
   writes its keys/values in place, and `keep` moves only the accepted entries with one `index_select`
   over all layers (nothing moves when the accepted path is already in place);
 * per call, everything shared by the layers is computed once: RoPE cos/sin from the model's own
-  ``model.model.rotary_emb`` (so every rope variant HF implements is right), and the additive mask;
+  ``model.model.rotary_emb`` (so every rope variant HF implements is right), and the additive mask. Where
+  a position's cos/sin cannot depend on anything else (`_RopeTable`), they are computed once per position,
+  by the same module, and read from a table afterwards;
 * grouped-query attention without expanding the KV heads: the G = H / K query heads that share a KV head
   are stacked along the query axis, so attention is two batched matmuls over the K KV heads::
 
@@ -146,6 +148,58 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+ROPE_BLOCK = 256  # positions per call of the rotary module when `_RopeTable` grows
+ROPE_TABLE_MAX = 16384  # positions `_RopeTable` holds at most (beyond: the module per forward)
+
+
+class _RopeTable:
+    """cos and sin ``[positions, D]`` of the model's own rotary module, computed once per position.
+
+    Used only where a position's values depend on the position alone: a rope type that does not rescale
+    with the sequence (not "dynamic", not "longrope") and a head size whose rows PyTorch computes with
+    the same vector code whatever a call's shape (D a multiple of 32: no row falls in an elementwise loop's
+    scalar tail). `make` checks the bits once against calls of one and of several positions and gives None
+    on any difference. Saves the module's half a dozen small tensor operations per forward (about 0.1 ms
+    each forward on a 2-core CPU, where those operations run with cold caches after the kernels)."""
+
+    def __init__(self, rotary, dtype: torch.dtype, device) -> None:
+        self.rotary, self.dtype, self.device = rotary, dtype, device
+        self.cos = self.sin = torch.empty(0)
+
+    @classmethod
+    def make(cls, rotary, dtype: torch.dtype, device, head_dim: int) -> "_RopeTable | None":
+        rope_type = getattr(rotary, "rope_type", None)
+        if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope" or head_dim % 32:
+            return None
+        table = cls(rotary, dtype, device)
+        probe = [0, 1, 37, ROPE_BLOCK - 1, ROPE_BLOCK, 2 * ROPE_BLOCK + 5]
+        if not table.grow(probe[-1] + 1):
+            return None
+        for ps in [[p] for p in probe] + [probe[1:4]]:
+            cos, sin = table.module(torch.tensor(ps))
+            if not (torch.equal(cos, table.cos[ps]) and torch.equal(sin, table.sin[ps])):
+                return None
+        return table
+
+    def module(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary module's own cos, sin ``[n, D]`` for `positions` ``[n]``."""
+        cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device), positions.to(self.device)[None])
+        return cos[0], sin[0]
+
+    def grow(self, upto: int) -> bool:
+        """Hold positions 0..upto-1 (whole blocks of ROPE_BLOCK); False past ROPE_TABLE_MAX."""
+        have = self.cos.shape[0]
+        if upto <= have:
+            return True
+        if upto > ROPE_TABLE_MAX:
+            return False
+        want = min(ROPE_TABLE_MAX, max(2 * have, -(-upto // ROPE_BLOCK) * ROPE_BLOCK))
+        parts = [self.module(torch.arange(a, a + ROPE_BLOCK)) for a in range(have, want, ROPE_BLOCK)]
+        self.cos = torch.cat([self.cos.to(self.device, parts[0][0].dtype)] + [c for c, _ in parts])
+        self.sin = torch.cat([self.sin.to(self.device, parts[0][1].dtype)] + [s for _, s in parts])
+        return True
 
 
 class _Linear:
@@ -291,6 +345,7 @@ class LeanForward(Forward):
         self.group = self.n_heads // self.n_kv  # G
         self.scale = attn.scaling
         self.rotary = base.rotary_emb
+        self.rope = _RopeTable.make(self.rotary, self.dtype, self.device, self.head_dim)  # None: the module per call
         self.embed = w.detach()  # [vocab, hid]
         panels = any(isinstance(m.weight, PanelWeight) for m in model.modules() if isinstance(m, PackedLinear))
         if kern is None and panels:
@@ -387,7 +442,7 @@ class LeanForward(Forward):
         if len({id(s.cache) for s in segments}) != len(segments):
             raise GooseError("a forward cannot append to one cache twice")
         dev = self.device
-        spans, ids, pos = [], [], []
+        spans, ids = [], []
         row = 0
         for s in segments:
             n = len(s.tokens)
@@ -400,16 +455,16 @@ class LeanForward(Forward):
             spans.append((row, row + n, c.length))
             row += n
             ids.extend(s.tokens)
-            pos.append(torch.arange(c.length, c.length + n) if s.allowed is None else s.depths.cpu() + c.length)
-        x = F.embedding(torch.tensor(ids, dtype=torch.long, device=dev), self.embed)  # [N, hid]
-        pos = torch.cat(pos).to(dev)  # [N]
-        cos, sin = self.rotary(x, pos[None])  # [1, N, D] each, model dtype
-        cos, sin = cos[0], sin[0]
-        if self.attn_kernel is not None:  # rotary, cache write and attention in one call per layer and segment
-            attends = [self.attn_kernel.attention_step(self.n_heads, cos[a:b], sin[a:b], s.cache.kv, p, s.allowed,
-                                                       self.scale) for s, (a, b, p) in zip(segments, spans)]
+        if isinstance(self.embed, PackedWeight):
+            x = self.embed.rows_of(ids)  # [N, hid]
         else:
-            attends = [self._torch_attention(s, cos[a:b], sin[a:b], p) for s, (a, b, p) in zip(segments, spans)]
+            x = F.embedding(torch.tensor(ids, dtype=torch.long, device=dev), self.embed)
+        rope = self._rope_rows(segments, spans)  # per segment: cos, sin [n, D]
+        if self.attn_kernel is not None:  # rotary, cache write and attention in one call per layer and segment
+            attends = [self.attn_kernel.attention_step(self.n_heads, cos, sin, s.cache.kv, p, s.allowed, self.scale)
+                       for s, (_, _, p), (cos, sin) in zip(segments, spans, rope)]
+        else:
+            attends = [self._torch_attention(s, cos, sin, p) for s, (_, _, p), (cos, sin) in zip(segments, spans, rope)]
         one = len(segments) == 1
         if self.plan is not None:  # all layers in one kernel call
             self.plan(x, self.attn_kernel.attention_batch(attends))
@@ -427,6 +482,25 @@ class LeanForward(Forward):
         if one:
             return [logits]
         return list(logits.split([r1 - r0 for r0, r1 in rows]))
+
+    def _rope_rows(self, segments: list[Segment], spans: list[tuple[int, int, int]]) -> list[tuple]:
+        """Each segment's cos, sin ``[n, D]`` (model dtype): token i of a causal run at position P + i, tree node
+        i at P + depths[i]; from the table where it holds them, else from one call of the rotary module."""
+        top = max(p + b - a for a, b, p in spans)  # (a node's depth is below its segment's size)
+        if self.rope is not None and self.rope.grow(top):
+            cos_t, sin_t = self.rope.cos, self.rope.sin
+            out = []
+            for s, (a, b, p) in zip(segments, spans):
+                if s.allowed is None:
+                    out.append((cos_t[p : p + b - a], sin_t[p : p + b - a]))
+                else:
+                    at = s.depths.cpu() + p
+                    out.append((cos_t[at], sin_t[at]))
+            return out
+        pos = torch.cat([torch.arange(p, p + b - a) if s.allowed is None else s.depths.cpu() + p
+                         for s, (a, b, p) in zip(segments, spans)])
+        cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device), pos.to(self.device)[None])
+        return [(cos[0, a:b], sin[0, a:b]) for a, b, _ in spans]
 
     def _layer_by_layer(self, x: torch.Tensor, attends: list, spans: list[tuple[int, int, int]]) -> None:
         """The decoder layers on the residual stream ``x [N, hid]`` (in place), one call per projection and

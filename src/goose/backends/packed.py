@@ -33,7 +33,7 @@ from .cpukernel import PANEL, CpuKernels
 
 
 class PackedWeight:
-    """A packed ``[n, k]`` weight (see the module doc). Subclasses give `rows` and `linear`."""
+    """A packed ``[n, k]`` weight (see the module doc). Subclasses give `_gather` (what `rows` reads) and `linear`."""
 
     dtype = torch.float32
     device = torch.device("cpu")
@@ -45,6 +45,17 @@ class PackedWeight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight: float32 ``[*ids.shape, k]``."""
+        return self._gather(self._check_ids(ids)).view(*ids.shape, self.k)
+
+    def rows_of(self, ids: list[int]) -> torch.Tensor:
+        """`rows` of a list of ids, ``[len(ids), k]``, checked in Python: a forward's embedding lookup, where the
+        tensor reductions of `_check_ids` cost more than the lookup itself."""
+        if ids and (min(ids) < 0 or max(ids) >= self.n):
+            raise IndexError(f"row ids must be in [0, {self.n})")
+        return self._gather(torch.tensor(ids, dtype=torch.int64))
+
+    def _gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """Rows `flat` (int64, contiguous, checked) of the weight: float32 ``[len(flat), k]``."""
         raise NotImplementedError
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, **fused) -> torch.Tensor:
@@ -120,10 +131,9 @@ class PanelWeight(PackedWeight):
     def operand(self) -> torch.Tensor:
         return self.data
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = self._check_ids(ids)  # row r is lane r % 8 of half (r % 16) // 8 of panel r // 16
-        out = self.data[flat // PANEL, (flat % PANEL) // (PANEL // 2), :, flat % (PANEL // 2)]
-        return out.reshape(*ids.shape, self.k)
+    def _gather(self, flat: torch.Tensor) -> torch.Tensor:
+        # row r is lane r % 8 of half (r % 16) // 8 of panel r // 16
+        return self.data[flat // PANEL, (flat % PANEL) // (PANEL // 2), :, flat % (PANEL // 2)].contiguous()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, **fused) -> torch.Tensor:
         return self.kernels.linear(x, self.data, self.n, bias, **fused)

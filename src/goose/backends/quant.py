@@ -151,12 +151,16 @@ class QuantKernels:
 
     def rows(self, weight: "QuantWeight", ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the dequantized weight: float32 ``[*ids.shape, K]``."""
-        flat = weight._check_ids(ids)
+        return self.gather(weight, weight._check_ids(ids)).view(*ids.shape, weight.k)
+
+    def gather(self, weight: "QuantWeight", flat: torch.Tensor) -> torch.Tensor:
+        """Rows `flat` (int64, contiguous, each checked to be in range) of the dequantized weight:
+        float32 ``[len(flat), K]``."""
         out = torch.empty(flat.numel(), weight.k, dtype=torch.float32)
         if flat.numel():
             self._rows(FORMATS[weight.fmt][0], weight.data.data_ptr(), weight.n, weight.k, flat.data_ptr(),
                        flat.numel(), out.data_ptr())
-        return out.view(*ids.shape, weight.k)
+        return out
 
     def linear(self, x: torch.Tensor, packed: "QuantWeight", n: int, bias: torch.Tensor | None = None, *,
                norm: tuple[torch.Tensor, float] | None = None, gated: bool = False,
@@ -205,8 +209,8 @@ def run_linear(fn, x: torch.Tensor, weight: "QuantWeight", n: int, bias: torch.T
 class QuantWeight(PackedWeight):
     """A packed quantized ``[n, k]`` weight (GGUF blocks in goose's panel layout; see `PackedWeight`)."""
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.kernels.rows(self, ids)
+    def _gather(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gather(self, flat)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, **fused) -> torch.Tensor:
         return self.kernels.linear(x, self, self.n, bias, **fused)
