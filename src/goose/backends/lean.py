@@ -647,11 +647,11 @@ class LeanCache(KVCache):
         """A forward wrote n entries after `prefix`."""
         self._prefix, self._len = prefix, prefix + n
 
-    @torch.inference_mode()
     def keep(self, path: list[int]) -> None:
         """Keep the prefix and the nodes `path` of the last call (in that order); drop the rest."""
         p, m = self._prefix, len(path)
         if path != list(range(m)):  # move accepted entries down; the in-place prefix never moves
-            src = torch.tensor(path, dtype=torch.long, device=self.device) + p  # [m]
-            self.kv[:, :, :, p : p + m] = self.kv.index_select(3, src)  # [L, 2, K, m, D]
+            with torch.inference_mode():
+                src = torch.tensor(path, dtype=torch.long, device=self.device) + p  # [m]
+                self.kv[:, :, :, p : p + m] = self.kv.index_select(3, src)  # [L, 2, K, m, D]
         self._len = p + m
