@@ -84,11 +84,12 @@ class Chooser:
             return argmax_rows(logits_last[None])[0]
         return self.choose(logits_last, prompt)
 
-    def walk(self, tree: DraftTree, logits: torch.Tensor, committed: list[int]) -> WalkResult:
-        """The verification walk over `tree` (root = committed[-1]) given its logits ``[n, vocab]``."""
-        if self.fast:
+    def walk(self, tree: DraftTree, logits: torch.Tensor, prompt: list[int], out: list[int]) -> WalkResult:
+        """The verification walk over `tree` (its root: the last of ``prompt + out``, the committed tokens)
+        given its logits ``[n, vocab]``."""
+        if self.fast:  # (greedy over raw logits reads no context)
             return greedy_walk(tree, argmax_rows(logits))
-        context = list(committed)
+        context = prompt + out
 
         def pick(node: int) -> int:
             if node:

@@ -272,7 +272,7 @@ def _verify_and_commit(w: _Work, logits: torch.Tensor) -> None:
 
 def _verify(w: _Work, logits: torch.Tensor) -> WalkResult:
     s = w.slot
-    return s.chooser.walk(w.tree, logits, s.prompt + s.out)
+    return s.chooser.walk(w.tree, logits, s.prompt, s.out)
 
 
 def _harvest(w: _Work, logits: torch.Tensor, walk: WalkResult) -> None:
