@@ -273,7 +273,8 @@ def weights_fingerprint(model) -> tuple:
     update (an optimizer step, ``load_state_dict``, a merged adapter: each bumps the tensor's version counter)
     and with any replaced tensor or module (a `PackedLinear`'s packed data counts as its weight), so a forward
     that copied or packed weights can tell they are stale. The module tree is walked by hand through each
-    module's own dicts (~6x cheaper than ``parameters()`` + ``buffers()``; 0.13 ms for SmolLM2-135M: an engine asks every few steps)."""
+    module's own dicts (~6x cheaper than ``parameters()`` + ``buffers()``; 0.13 ms for SmolLM2-135M: an
+    engine asks every few steps)."""
     out: list[int] = []
     add = out.append
     stack = [model]
