@@ -166,7 +166,15 @@ class _RopeTable:
 
     def __init__(self, rotary, dtype: torch.dtype, device) -> None:
         self.rotary, self.dtype, self.device = rotary, dtype, device
-        self.cos = self.sin = torch.empty(0)
+        self.table: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin), replaced whole when it grows
+
+    @property
+    def cos(self) -> torch.Tensor:
+        return self.table[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.table[1]
 
     @classmethod
     def make(cls, rotary, dtype: torch.dtype, device, head_dim: int) -> "_RopeTable | None":
@@ -190,15 +198,15 @@ class _RopeTable:
 
     def grow(self, upto: int) -> bool:
         """Hold positions 0..upto-1 (whole blocks of ROPE_BLOCK); False past ROPE_TABLE_MAX."""
-        have = self.cos.shape[0]
+        have = 0 if self.table is None else self.table[0].shape[0]
         if upto <= have:
             return True
         if upto > ROPE_TABLE_MAX:
             return False
         want = min(ROPE_TABLE_MAX, max(2 * have, -(-upto // ROPE_BLOCK) * ROPE_BLOCK))
         parts = [self.module(torch.arange(a, a + ROPE_BLOCK)) for a in range(have, want, ROPE_BLOCK)]
-        self.cos = torch.cat([self.cos.to(self.device, parts[0][0].dtype)] + [c for c, _ in parts])
-        self.sin = torch.cat([self.sin.to(self.device, parts[0][1].dtype)] + [s for _, s in parts])
+        old = [] if self.table is None else [self.table]
+        self.table = (torch.cat([t[0] for t in old + parts]), torch.cat([t[1] for t in old + parts]))
         return True
 
 
@@ -488,7 +496,7 @@ class LeanForward(Forward):
         i at P + depths[i]; from the table where it holds them, else from one call of the rotary module."""
         top = max(p + b - a for a, b, p in spans)  # (a node's depth is below its segment's size)
         if self.rope is not None and self.rope.grow(top):
-            cos_t, sin_t = self.rope.cos, self.rope.sin
+            cos_t, sin_t = self.rope.table  # (one read: a table that grows is replaced whole)
             out = []
             for s, (a, b, p) in zip(segments, spans):
                 if s.allowed is None:
