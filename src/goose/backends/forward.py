@@ -285,7 +285,7 @@ def weights_fingerprint(model) -> tuple:
             continue
         d = module.__dict__
         packed = d.get("weight")  # a PackedLinear / PackedEmbedding: its packed data
-        if packed is not None and isinstance(packed, PackedWeight):
+        if isinstance(packed, PackedWeight):
             _add_tensor(add, packed.data)
         for t in d["_parameters"].values():
             if t is not None:

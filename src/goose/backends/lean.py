@@ -154,6 +154,13 @@ ROPE_BLOCK = 256  # positions per call of the rotary module when `_RopeTable` gr
 ROPE_TABLE_MAX = 16384  # positions `_RopeTable` holds at most (beyond: the module per forward)
 
 
+def _rotary_rows(rotary, dtype: torch.dtype, device, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[n, D]`` (in `dtype`) of the model's rotary module for `positions` ``[n]`` (it reads only
+    the dtype and device of the tensor it is given)."""
+    cos, sin = rotary(torch.zeros(1, dtype=dtype, device=device), positions.to(device)[None])
+    return cos[0], sin[0]
+
+
 class _RopeTable:
     """cos and sin ``[positions, D]`` of the model's own rotary module, computed once per position.
 
@@ -193,8 +200,7 @@ class _RopeTable:
 
     def module(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary module's own cos, sin ``[n, D]`` for `positions` ``[n]``."""
-        cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device), positions.to(self.device)[None])
-        return cos[0], sin[0]
+        return _rotary_rows(self.rotary, self.dtype, self.device, positions)
 
     def grow(self, upto: int) -> bool:
         """Hold positions 0..upto-1 (whole blocks of ROPE_BLOCK); False past ROPE_TABLE_MAX."""
@@ -507,8 +513,8 @@ class LeanForward(Forward):
             return out
         pos = torch.cat([torch.arange(p, p + b - a) if s.allowed is None else s.depths.cpu() + p
                          for s, (a, b, p) in zip(segments, spans)])
-        cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device), pos.to(self.device)[None])
-        return [(cos[0, a:b], sin[0, a:b]) for a, b, _ in spans]
+        cos, sin = _rotary_rows(self.rotary, self.dtype, self.device, pos)
+        return [(cos[a:b], sin[a:b]) for a, b, _ in spans]
 
     def _layer_by_layer(self, x: torch.Tensor, attends: list, spans: list[tuple[int, int, int]]) -> None:
         """The decoder layers on the residual stream ``x [N, hid]`` (in place), one call per projection and

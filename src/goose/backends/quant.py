@@ -150,8 +150,8 @@ class QuantKernels:
         return QuantWeight(self, fmt, n, k, data)
 
     def rows(self, weight: "QuantWeight", ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the dequantized weight: float32 ``[*ids.shape, K]``."""
-        return self.gather(weight, weight._check_ids(ids)).view(*ids.shape, weight.k)
+        """Rows `ids` of the dequantized weight: float32 ``[*ids.shape, K]`` (`PackedWeight.rows`)."""
+        return weight.rows(ids)
 
     def gather(self, weight: "QuantWeight", flat: torch.Tensor) -> torch.Tensor:
         """Rows `flat` (int64, contiguous, each checked to be in range) of the dequantized weight:

@@ -254,15 +254,23 @@ class DeviceAwareGoose(GoosePaper):
         mem = self._memory_draft(first)
         if mem is not None:
             return self._memory_candidates(anchor, prev, mem, max_depth, min_prob)
-        if min_prob > 0 and self.acc.best_child(self._kind, bool(first.chain)) < min_prob:
-            self._learn = False  # (an extended chain is empty exactly when `first`'s is)
-            return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
-        self._learn = min_prob <= 0 or self.acc.branch_best() >= min_prob
+        plain = self._gate(anchor, self.acc.best_child(self._kind, bool(first.chain)), min_prob)
+        if plain is not None:  # (an extended chain is empty exactly when `first`'s is)
+            return plain
         prop = self.index.propose_extended(self.cfg.ngram, first)
         reach = self.acc.spine_reach(self._kind, len(prop.chain), min_prob) if min_prob > 0 else 0
         cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg,
                                 cap=load_budget(min_prob, reach, self.cfg.device_aware), branches=self._learn)
         return self._priced(cand, max_depth)
+
+    def _gate(self, anchor: int, best_child: float, min_prob: float) -> Candidates | None:
+        """A plain step's candidates when no child of the root (best probability `best_child`) reaches
+        `min_prob`; else None. Sets whether the step is harvested: only when an adjacency branch can pay."""
+        if min_prob > 0 and best_child < min_prob:
+            self._learn = False
+            return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
+        self._learn = min_prob <= 0 or self.acc.branch_best() >= min_prob
+        return None
 
     def _priced(self, cand: DraftTree, max_depth: int | None) -> Candidates:
         if max_depth is not None:
@@ -287,10 +295,9 @@ class DeviceAwareGoose(GoosePaper):
                            min_prob: float) -> Candidates:
         """A spine tree whose spine (and its alternatives) come from the memory, adjacency branches around."""
         ranks = [memory_rank(c, t, mem.match) for c, t in zip(mem.counts, mem.totals)]
-        if min_prob > 0 and self.acc.memory_best(ranks[0]) < min_prob:
-            self._learn = False
-            return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
-        self._learn = min_prob <= 0 or self.acc.branch_best() >= min_prob
+        plain = self._gate(anchor, self.acc.memory_best(ranks[0]), min_prob)
+        if plain is not None:
+            return plain
         reach = self.acc.memory_reach(ranks, min_prob) if min_prob > 0 else 0
         alternatives = [(at, toks, memory_rank(c, t, mem.match)) for at, toks, c, t in mem.branches]
         cand = build_spine_tree(anchor, prev, mem.spine, chain_confidence(len(mem.spine), ranks[0] == 0), 1.0,
