@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from goose.config import AdjacencyConfig
@@ -74,3 +75,37 @@ def test_harvest_is_the_same_with_and_without_goose_kernel(monkeypatch):
     a, b = tables
     assert (a.ids == b.ids).all() and (a.scores == b.scores).all() and (a.observed == b.observed).all()
     assert a.bigram == b.bigram
+
+
+@pytest.mark.parametrize("with_scores", [True, False])
+@pytest.mark.parametrize("bigram", [True, False])
+def test_one_call_harvest_fills_the_table_as_the_numpy_path(monkeypatch, with_scores, bigram):
+    """`fill` (the engine's `cpukernel.table_harvester`) harvests in one kernel call: the same successor ids,
+    bigrams and observed rows as the top-k + NumPy path, the scores to float32 rounding, the last of duplicate
+    tokens winning; logits it cannot read (not float32) and a machine without the kernel take the NumPy path,
+    and a token outside the table is an error."""
+    from goose.backends import cpukernel
+
+    if cpukernel.kernel() is None:
+        pytest.skip("goose's CPU kernel is not available here")
+    cfg = AdjacencyConfig(top_k=6, use_bigram=bigram, with_scores=with_scores)
+    g = torch.Generator().manual_seed(1)
+    fused = AdjacencyTable(300, cfg, cpukernel.topk_rows, cpukernel.table_harvester)
+    plain = AdjacencyTable(300, cfg, cpukernel.topk_rows)
+    assert fused._harvester is not None
+    for n in (1, 4, 7, 2, 9):
+        logits = torch.randn(n, 300, generator=g)
+        tokens = torch.randint(0, 12, (n,), generator=g).tolist()  # duplicates within and across harvests
+        prevs = torch.randint(-1, 12, (n,), generator=g).tolist()
+        for adj in (fused, plain):
+            adj.harvest(tokens, prevs, logits)
+            adj.harvest(tokens[:1], prevs[:1], logits[:1].double())  # not float32: the NumPy path
+    assert (fused.ids == plain.ids).all() and (fused.observed == plain.observed).all()
+    assert fused.scores == pytest.approx(plain.scores, abs=1e-6)
+    assert fused.bigram.keys() == plain.bigram.keys()
+    for key, (ids, scores) in plain.bigram.items():
+        assert fused.bigram[key][0] == ids and fused.bigram[key][1] == pytest.approx(scores, abs=1e-6)
+    with pytest.raises(ValueError, match="outside the table"):
+        fused.harvest([300], [-1], torch.randn(1, 300))
+    monkeypatch.setattr(cpukernel, "kernel", lambda variant=None: None)
+    assert AdjacencyTable(300, cfg, cpukernel.topk_rows, cpukernel.table_harvester)._harvester is None

@@ -309,3 +309,40 @@ def test_spine_reach_counts_the_spine_nodes_whose_path_probability_stays_above(m
     probs = path_probs(tree, acc.node_probs(tree, kind)[0])
     want = next((d for d in range(1, length + 1) if probs[d] < min_prob), length + 1) - 1
     assert acc.spine_reach(kind, length, min_prob) == want
+
+
+def test_root_children_that_were_not_verified_still_count_as_trials(tiny_model):
+    """A step's adjacency successors of the anchor and its n-gram chain's first token are trials of their
+    groups whether or not the step verified them (accepted exactly when the target's next token is theirs), so
+    a group that early rejections put below `min_prob` keeps learning; a verified child counts once."""
+    from goose.engine.methods import make_method
+
+    vocab = tiny_model.config.vocab_size
+    m = make_method("goose", vocab, None)
+    m._set_cost(CostCurve((1, 4, 16), (10.0, 12.0, 20.0)))
+    m.begin([5, 6, 7, 5, 6, 7, 5, 6])
+    logits = torch.full((1, vocab), -30.0)
+    logits[0, 3], logits[0, 4] = 5.0, 4.0  # the anchor 7 (after 6): successors 3, then 4
+    m.candidates(7, 6)
+    m.harvest([7], [6], logits)
+    trials = lambda key: tuple(m.acc.counts.get(key, (0.0, 0.0)))  # noqa: E731
+    rank0, rank1, spine = ("b", 0, 1), ("b", 1, 1), ("s", m._kind, 0)
+    before = {k: trials(k) for k in (rank0, rank1, spine)}
+    plain = m.candidates(7, 6, None, min_prob=1.0).tree  # a plain step: nothing below the root is verified
+    assert len(plain) == 1
+    chain_head = m.index.propose().chain[0]
+    m.observe(plain, WalkResult([0], 3))  # the target's next token is the rank-0 successor
+    assert trials(rank0) == (before[rank0][0] + 1, before[rank0][1] + 1)
+    assert trials(rank1) == (before[rank1][0], before[rank1][1] + 1)
+    assert trials(spine) == (before[spine][0] + (chain_head == 3), before[spine][1] + 1)
+    m.candidates(7, 6, None, min_prob=1.0)
+    m.observe(plain, WalkResult([0], 9))  # neither
+    assert trials(rank0)[1] == before[rank0][1] + 2 and trials(rank0)[0] == before[rank0][0] + 1
+    # a tree that verified the rank-0 branch under the root: counted once (by `update`), accepted here
+    cands = m.candidates(7, 6)
+    tree = cands.tree
+    node = tree.children[0].get(3)
+    assert node is not None and tree.sources[node] == BRANCH and tree.ranks[node] == 0
+    counted = trials(rank0)
+    m.observe(tree, WalkResult([0, node], 1))
+    assert trials(rank0) == (counted[0] + 1, counted[1] + 1)

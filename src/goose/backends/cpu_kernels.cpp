@@ -538,7 +538,7 @@ inline void scores512(const float* qp, const E* keys, int64_t T, int D, float sc
 
 extern "C" {
 
-int goose_kernels_abi(void) { return 10; }
+int goose_kernels_abi(void) { return 11; }
 
 #ifdef __AVX512F__
 int goose_kernels_isa(void) { return 512; }
@@ -1369,6 +1369,39 @@ void goose_topk(const float* x, int64_t n, int64_t V, int64_t ldx, int64_t k, fl
       ti[filled] = 0;
     }
   }
+}
+
+
+// An adjacency table's harvest in one call (goose.drafting.adjacency): the top k of each row of x [n, V] as
+// goose_topk, their scores (with_scores: the softmax over the k values, exp(v - max) / sum; else 1 / k) to
+// ids [n, k] and scores [n, k], then row tokens[i] of the table (tab_ids, tab_scores [rows, k], observed
+// [rows]) set to row i's, in the order of the rows (the last of duplicate tokens wins). Returns the number of
+// tokens outside 0..rows-1 (their rows are not written).
+int64_t goose_harvest(const float* x, int64_t n, int64_t V, int64_t ldx, int64_t k, const int64_t* tokens,
+                      int with_scores, int64_t* ids, float* scores, int64_t rows, int64_t* tab_ids,
+                      float* tab_scores, uint8_t* observed) {
+  goose_topk(x, n, V, ldx, k, scores, ids);
+  int64_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    float* s = scores + i * k;
+    if (with_scores) {
+      const float top = s[0];
+      float sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) sum += (s[j] = expf(s[j] - top));
+      for (int64_t j = 0; j < k; ++j) s[j] /= sum;
+    } else {
+      for (int64_t j = 0; j < k; ++j) s[j] = 1.0f / static_cast<float>(k);
+    }
+    const int64_t t = tokens[i];
+    if (t < 0 || t >= rows) {
+      ++bad;
+      continue;
+    }
+    memcpy(tab_ids + t * k, ids + i * k, sizeof(int64_t) * k);
+    memcpy(tab_scores + t * k, s, sizeof(float) * k);
+    observed[t] = 1;
+  }
+  return bad;
 }
 
 }  // extern "C"

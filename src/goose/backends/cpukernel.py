@@ -46,7 +46,9 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .. import cachefs
@@ -63,7 +65,7 @@ VARIANTS = {
 }
 ORDER = ("avx512", "avx2")
 PANEL = 16  # output columns per packed panel (must match kPanel in the source)
-ABI = 10  # goose_kernels_abi() of this version of the source
+ABI = 11  # goose_kernels_abi() of this version of the source
 ENV_SWITCH = "GOOSE_CPU_KERNEL"
 ENV_VARIANT = "GOOSE_KERNEL_VARIANT"
 
@@ -229,6 +231,11 @@ class CpuKernels:
         self._topk.restype = None
         self._topk.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                ctypes.c_void_p, ctypes.c_void_p]
+        self._harvest = lib.goose_harvest
+        self._harvest.restype = ctypes.c_int64
+        self._harvest.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self._attn = lib.goose_attention
         self._attn.restype = None
         self._attn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -355,6 +362,42 @@ class CpuKernels:
         if n:
             self._topk(x.data_ptr(), n, v, x.stride(0), k, vals.data_ptr(), ids.data_ptr())
         return vals, ids
+
+    def harvester(self, tab_ids: np.ndarray, tab_scores: np.ndarray, observed: np.ndarray,
+                  with_scores: bool) -> Callable[[torch.Tensor, Sequence[int]], tuple[np.ndarray, np.ndarray] | None]:
+        """An adjacency table's harvest (`goose.drafting.adjacency.AdjacencyTable`) as one call per harvest:
+        ``run(x [n, V], tokens)`` takes the top k of each row of x as `topk`, their scores (`with_scores`: the
+        softmax over the k values, else 1 / k), and sets row ``tokens[i]`` of the table (``tab_ids [rows, k]``
+        int64, ``tab_scores [rows, k]`` float32, ``observed [rows]`` bool, C-contiguous, checked here once) to
+        row i's, the last of duplicate tokens winning; it returns ``(ids [n, k], scores [n, k])``, or None for an
+        x that is not a float32 CPU tensor of unit stride along rows. After a forward has streamed the weights,
+        every small array operation in Python runs with cold caches (~10 us each), so a harvest is one call."""
+        rows = observed.shape[0] if observed.ndim == 1 else -1
+        k = tab_ids.shape[1] if tab_ids.ndim == 2 else 0
+        if (tab_ids.dtype != np.int64 or tab_scores.dtype != np.float32 or observed.dtype != np.bool_ or k < 1
+                or tab_ids.shape != (rows, k) or tab_scores.shape != (rows, k) or not tab_ids.flags.c_contiguous
+                or not tab_scores.flags.c_contiguous or not observed.flags.c_contiguous):
+            raise ValueError("harvester: a table of int64 ids and float32 scores [rows, k >= 1] and bool observed "
+                             "[rows], C-contiguous")
+        fn, scored = self._harvest, int(bool(with_scores))
+        ptrs = (rows, tab_ids.ctypes.data, tab_scores.ctypes.data, observed.ctypes.data)
+        arrays = (tab_ids, tab_scores, observed)  # kept alive with the pointers
+
+        def run(x: torch.Tensor, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+            n, v = x.shape
+            if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1 or (n > 1 and x.stride(0) < v):
+                return None
+            if len(tokens) != n or k > v:
+                raise ValueError(f"harvest: {len(tokens)} tokens for {n} rows, k = {k} of {v} values")
+            toks = np.array(tokens, dtype=np.int64)
+            ids = np.empty((n, k), dtype=np.int64)
+            scores = np.empty((n, k), dtype=np.float32)
+            if n and fn(x.data_ptr(), n, v, x.stride(0), k, toks.ctypes.data, scored, ids.ctypes.data,
+                        scores.ctypes.data, *ptrs):
+                raise ValueError(f"harvest: a token outside the table's 0..{arrays[2].shape[0] - 1}")
+            return ids, scores
+
+        return run
 
     def attention_step(self, n_heads: int, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, prefix: int,
                        allowed: torch.Tensor | None, scale: float, *, plain: bool = False) -> AttentionStep:
@@ -652,6 +695,13 @@ def attention_reason(head_dim: int, dtype: torch.dtype) -> str | None:
     if head_dim % 8 or head_dim < 8:
         return f"head dim {head_dim} is not a multiple of 8"
     return None
+
+
+def table_harvester(tab_ids: np.ndarray, tab_scores: np.ndarray, observed: np.ndarray, with_scores: bool):
+    """`CpuKernels.harvester` where goose's kernel runs; None elsewhere (the table then harvests with
+    `topk_rows` and NumPy)."""
+    kern = kernel()
+    return None if kern is None else kern.harvester(tab_ids, tab_scores, observed, with_scores)
 
 
 def topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import math
 
-from ..backends.cpukernel import topk_rows
+from ..backends.cpukernel import table_harvester, topk_rows
 from ..config import (
     AdjacencyConfig,
     DeviceAwareConfig,
@@ -29,7 +29,7 @@ from ..drafting.lookahead import JacobiWindow, NgramPool
 from ..drafting.memory import MemoryDraft, SuffixMemory
 from ..drafting.ngram import NgramIndex, Proposal, chain_confidence
 from ..drafting.spine import build_spine_tree, tree_budget
-from ..drafting.tree import SPINE, DraftTree
+from ..drafting.tree import BRANCH, SPINE, DraftTree
 from ..errors import GooseError
 from ..selection.acceptance import SHORT, AcceptanceModel, match_kind, memory_rank
 from ..selection.costmodel import CostCurve
@@ -112,7 +112,7 @@ class _AdjacencyMethod(Method):
     prefill_harvest = None  # the adjacency table learns from every prompt position (spec §4)
 
     def __init__(self, vocab_size: int, adj_cfg: AdjacencyConfig) -> None:
-        self.adj = AdjacencyTable(vocab_size, adj_cfg, topk_rows)
+        self.adj = AdjacencyTable(vocab_size, adj_cfg, topk_rows, table_harvester)
 
     def start(self) -> None:
         if not self.adj.cfg.hot_start:  # before the prefill, so its harvest is kept
@@ -123,7 +123,7 @@ class _AdjacencyMethod(Method):
         arrival); with it, the table is shared by all requests, as across the requests of one decoder."""
         twin = super().fork()
         if not self.adj.cfg.hot_start:
-            twin.adj = AdjacencyTable(self.adj.vocab_size, self.adj.cfg, self.adj.topk)
+            twin.adj = AdjacencyTable(self.adj.vocab_size, self.adj.cfg, self.adj.topk, self.adj.fill)
         return twin
 
     def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
@@ -219,6 +219,7 @@ class DeviceAwareGoose(GoosePaper):
         self.acc = AcceptanceModel(cfg.device_aware.acceptance)
         self.prefill_harvest = cfg.device_aware.prefill_harvest
         self._kind = SHORT
+        self._root: tuple = (None, None)  # the step's root successors and n-gram chain head (`_observe_unbuilt`)
         self._learn = True  # harvest the next verified step (False: its candidates had no branch that could pay)
         self._set_cost(cost)
 
@@ -251,6 +252,7 @@ class DeviceAwareGoose(GoosePaper):
         (`AcceptanceModel.branch_best`), the tree is its spine alone. Either way the step is not harvested."""
         first = self.index.propose()
         self._kind = match_kind(first.consensus, len(first.chain))
+        self._root = (self.adj.successors(anchor, prev), first.chain[0] if first.chain else None)
         mem = self._memory_draft(first)
         if mem is not None:
             return self._memory_candidates(anchor, prev, mem, max_depth, min_prob)
@@ -325,6 +327,29 @@ class DeviceAwareGoose(GoosePaper):
         super().observe(tree, walk)
         if len(tree) > 1:
             self.acc.update(tree, self.acc.keys(tree, self._kind), walk)
+        self._observe_unbuilt(tree, walk)
+
+    def _observe_unbuilt(self, tree: DraftTree, walk: WalkResult) -> None:
+        """Children of the root that the step could have drafted but did not verify (its adjacency successors,
+        its n-gram chain's first token) are counted as trials of their groups all the same: the target's token
+        after the anchor is known now, and a child is accepted exactly when it is that token. So a group whose
+        nodes stop being verified (a few early rejections put it below `min_prob`) keeps learning from every
+        step, and can come back when its true rate pays for a row."""
+        succ, spine_first = self._root
+        if succ is None and spine_first is None:
+            return
+        nxt = tree.tokens[walk.path[1]] if len(walk.path) > 1 else walk.bonus
+        built = tree.children[0]  # token -> node of the verified root children
+        if spine_first is not None and spine_first not in built:
+            self.acc.count(("s", self._kind, 0), spine_first == nxt)
+        if succ is not None:
+            branches = {tree.ranks[i] for i in built.values() if tree.sources[i] == BRANCH}
+            min_score, max_rank = self.cfg.tree.min_score, self.acc.cfg.max_rank
+            for rank, (tok, score) in enumerate(zip(*succ)):
+                if rank > max_rank or score < min_score:
+                    break
+                if rank not in branches and tok not in built:
+                    self.acc.count(("b", rank, 1), tok == nxt)
 
 
 class Lookahead(Method):

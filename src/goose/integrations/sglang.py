@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..backends.cpukernel import topk_rows
+from ..backends.cpukernel import table_harvester, topk_rows
 from ..config import AdjacencyConfig, GooseConfig
 from ..drafting.adjacency import AdjacencyTable
 from ..drafting.ngram import NgramIndex
@@ -120,7 +120,7 @@ class GooseTreeDrafter:
         self.num_draft_tokens = num_draft_tokens
         adj_cfg = AdjacencyConfig(top_k=base.adjacency.top_k, use_bigram=base.adjacency.use_bigram,
                                   with_scores=base.adjacency.with_scores, hot_start=True)
-        self.adj = AdjacencyTable(vocab_size, adj_cfg, topk_rows)
+        self.adj = AdjacencyTable(vocab_size, adj_cfg, topk_rows, table_harvester)
         self.requests: dict[str, _Request] = {}
 
     def _state(self, rid: str, tokens: list[int]) -> _Request:

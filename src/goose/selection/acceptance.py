@@ -125,6 +125,15 @@ class AcceptanceModel:
         keys = self.keys(tree, kind)
         return [1.0] + [self.prob(k) for k in keys[1:]], keys
 
+    def count(self, key: tuple, accepted: bool) -> None:
+        """One trial of group `key`: a node of it whose parent was accepted, `accepted` or not."""
+        if key[0] == "b":
+            self._best_branch = None
+        c = self.counts.setdefault(key, [0.0, 0.0])
+        c[1] += 1.0
+        if accepted:
+            c[0] += 1.0
+
     def update(self, tree: DraftTree, keys: list[tuple], walk: WalkResult) -> None:
         self._best_branch = None
         on_path = set(walk.path)
