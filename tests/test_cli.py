@@ -180,6 +180,30 @@ def test_profile_prints_the_curve_and_the_kernels(tiny_dir, capsys, tmp_path, mo
     assert plot.is_file() and list((tmp_path / "cache" / "cost").glob("*.json"))
 
 
+def test_profile_measures_the_engines_curves_up_to_max_batch(tiny_dir, capsys, tmp_path, monkeypatch):
+    """`--max-batch N` also measures (or shows) the curves the Engine with `max_batch` N prices its steps with,
+    one per sequence count of `measure.batch_counts` beyond one, and `--remeasure` measures them again."""
+    from goose.engine import measure as costmodel
+
+    monkeypatch.setattr(costmodel, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(costmodel, "MAX_SPREAD", float("inf"))
+    calls = []
+    real = costmodel.measure
+    monkeypatch.setattr(costmodel, "measure", lambda *a, **k: calls.append(k.get("sequences", 1)) or real(*a, **k))
+    code, out, err = run(["profile", "--model", str(tiny_dir), "--plot", "", "--max-batch", "3"], capsys)
+    assert code == 0, err
+    lines = [ln for ln in out.splitlines() if "sequences in one forward" in ln]
+    assert costmodel.batch_counts(3) == [1, 2, 4]
+    assert [int(ln.split()[0]) for ln in lines] == [2, 4] and sorted(calls) == [1, 2, 4]
+    assert "ms for 2 rows" in lines[0] and "ms for 4 rows" in lines[1]
+    assert len(list((tmp_path / "cache" / "cost").glob("*.json"))) == 3
+    calls.clear()
+    assert run(["profile", "--model", str(tiny_dir), "--plot", "", "--max-batch", "3"], capsys)[0] == 0
+    assert calls == []  # cached
+    assert run(["profile", "--model", str(tiny_dir), "--plot", "", "--max-batch", "3", "--remeasure"], capsys)[0] == 0
+    assert sorted(calls) == [1, 2, 4]
+
+
 def _write(path, data: bytes):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)

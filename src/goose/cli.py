@@ -112,12 +112,14 @@ class _Parser(argparse.ArgumentParser):
 def cmd_profile(args) -> int:
     from .backends import cpukernel
     from .decoding import default_forward
-    from .engine.measure import load_or_measure
+    from .engine.measure import batch_counts, load_or_measure
     from .loading.model import load_model
 
     model, _ = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=args.arith)
     fwd = default_forward(model)
     curve = load_or_measure(model, fwd, remeasure=args.remeasure)
+    batches = [(b, load_or_measure(model, fwd, remeasure=args.remeasure, sequences=b))
+               for b in (batch_counts(args.max_batch) if args.max_batch else []) if b > 1]
     why = cpukernel.unavailable_reason()
     kernels = fwd.backend + ("" if why is None else f"; goose's CPU kernel unavailable: {why}")
     print(f"forward cost of {args.model} ({args.dtype}, {args.device}, {type(fwd).__name__}, kernels: {kernels})")
@@ -126,6 +128,9 @@ def cmd_profile(args) -> int:
         print(f"{n:>6} {ms:>9.1f} {ms / curve.ms[0]:>10.2f} {curve.break_even(n):>20.2f}")
     print(f"(on {curve.cache_len} cached tokens; each query row costs {curve.context_ms * 1e3:.2f} us more per "
           f"further cached token)")
+    for b, c in batches:
+        sizes = sorted({n for n in (b, b + 1, b + 2, b + 4, 2 * b) if n <= c.max_size})
+        print(f"{b} sequences in one forward (the Engine): " + ", ".join(f"{c(n):.1f} ms for {n} rows" for n in sizes))
     if args.plot:
         import matplotlib
 
@@ -205,6 +210,9 @@ def build_parser(load: set[str] | None = None) -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="measure (or show the cached) forward cost curve of a model")
     add_model_args(pr)
     pr.add_argument("--remeasure", action="store_true", help="measure again instead of using the cached curve")
+    pr.add_argument("--max-batch", type=positive_int, default=None,
+                    help="also the Engine's curves for up to this many requests per forward (its max_batch; "
+                         "default: none)")
     pr.add_argument("--plot", default="goose-profile.png", help="PNG to write (default goose-profile.png; '' for none)")
     pr.set_defaults(func=cmd_profile)
     ds = sub.add_parser("datastore", help="build or inspect REST's datastore (in the user cache dir)")

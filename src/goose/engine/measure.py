@@ -207,9 +207,15 @@ def load_or_measure(model, forward, remeasure: bool = False, path: Path | None =
 BATCH_SEQUENCES = (1, 2, 4, 8)  # sequence counts whose cost curves are measured for a batch of that size
 
 
+def batch_counts(max_batch: int) -> list[int]:
+    """The sequence counts whose curves make the batched cost curve for up to `max_batch` sequences per forward:
+    those of `BATCH_SEQUENCES` below it, then the first one >= max_batch (or max_batch itself)."""
+    return [b for b in BATCH_SEQUENCES if b < max_batch] + [next((b for b in BATCH_SEQUENCES if b >= max_batch),
+                                                                 max_batch)]
+
+
 def load_or_measure_batch(model, forward, max_batch: int, remeasure: bool = False) -> BatchCostCurve:
-    """The batched cost curve for up to `max_batch` sequences per forward (one cached curve per count in
-    `BATCH_SEQUENCES` up to the first one >= max_batch)."""
-    counts = [b for b in BATCH_SEQUENCES if b < max_batch] + [next((b for b in BATCH_SEQUENCES if b >= max_batch),
-                                                                   max_batch)]
-    return BatchCostCurve(tuple((b, load_or_measure(model, forward, remeasure, sequences=b)) for b in counts))
+    """The batched cost curve for up to `max_batch` sequences per forward (one cached curve per count of
+    `batch_counts`)."""
+    return BatchCostCurve(tuple((b, load_or_measure(model, forward, remeasure, sequences=b))
+                                for b in batch_counts(max_batch)))
