@@ -523,9 +523,9 @@ def test_demo_runs_12_questions_with_goose_and_the_three_baselines(monkeypatch, 
 
     seen = {}
 
-    def fake_run(args, questions, dataset, argv):
+    def fake_run(args, questions, dataset, argv, replace=False):
         seen.update(methods=args.methods, questions=questions, dataset=dataset, tokens=args.max_new_tokens,
-                    chat=args.chat)
+                    chat=args.chat, replace=replace)
         return 3  # (not 0: no verdict to print)
 
     if not with_spec_bench:
@@ -538,3 +538,27 @@ def test_demo_runs_12_questions_with_goose_and_the_three_baselines(monkeypatch, 
     assert len(seen["questions"]) == 12 and len({q.question_id for q in seen["questions"]}) == 12
     assert seen["chat"] is True
     assert main(["demo", "--raw"]) == 3 and seen["chat"] is False
+    assert seen["replace"] is True  # the demo's own directory: an old run of other software does not block it
+
+
+def test_demo_moves_an_old_run_it_cannot_continue_aside_and_bench_refuses_it(tmp_path, monkeypatch, capsys):
+    """After an upgrade `goose demo` (`make demo`) starts a new run: the old one goes to ``<out>.old`` (an older
+    one there is replaced), while `goose bench` still refuses to mix runs in one directory."""
+    import goose.loading.model as loading
+    from goose.cli import main
+
+    def stop(*a, **k):
+        raise GooseError("stopped before loading")
+
+    monkeypatch.setattr(loading, "load_model", stop)
+    out = tmp_path / "demo"
+    for d, tag in ((out, "new"), (tmp_path / "demo.old", "older")):
+        d.mkdir()
+        (d / "run.json").write_text(json.dumps({"model": "another", "software": "0.0.1"}), encoding="utf-8")
+        (d / "tag").write_text(tag, encoding="utf-8")
+    assert main(["bench", "--dataset", "builtin", "--limit", "1", "--out", str(out)]) != 0
+    assert "another" in capsys.readouterr().err and (out / "tag").read_text(encoding="utf-8") == "new"
+    assert main(["demo", "--out", str(out)]) != 0  # stopped at the model load, after the move
+    err = capsys.readouterr().err
+    assert f"moved to {tmp_path / 'demo.old'}, starting a new run" in err and "stopped before loading" in err
+    assert not out.exists() and (tmp_path / "demo.old" / "tag").read_text(encoding="utf-8") == "new"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -40,8 +41,10 @@ def model_key(model: str) -> str:
     return str(p.resolve()) if p.exists() else model
 
 
-def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
-    """Shared by bench and demo: check the directory, load, run, then write summary, report and plots."""
+def run_bench(args, questions: list, dataset: str, argv: list[str], replace: bool = False) -> int:
+    """Shared by bench and demo: check the directory, load, run, then write summary, report and plots. A run in
+    the directory that this one cannot continue (other settings or software) is an error, or with `replace`
+    (the demo's own directory) moved to ``<out>.old`` (replacing an older one there) before a new run starts."""
     import torch
 
     from ..backends.quant import weights_kind
@@ -60,7 +63,14 @@ def run_bench(args, questions: list, dataset: str, argv: list[str]) -> int:
               "device": str(resolve_device(args.device)), "software": store.software()}
     old = store.read_meta(out) if out.is_dir() else None
     why = store.pinned_conflict(out, old, pinned)  # fail before the (slow) model load
-    if why:
+    if why and replace:
+        aside = out.with_name(out.name + ".old")
+        if aside.exists():
+            shutil.rmtree(aside)
+        out.rename(aside)
+        print(f"{why.split('; ')[0]}: moved to {aside}, starting a new run", file=sys.stderr)
+        old = None
+    elif why:
         raise GooseError(why)
     methods = with_reference(args.methods)
     memory_mb = getattr(args, "memory_mb", DEFAULT_MEMORY_MB) if any(split(m)[1] for m in methods) else None
@@ -194,7 +204,7 @@ def cmd_demo(args) -> int:
         dataset = "builtin,humaneval"
         builtin = datasets.load("builtin")
         qs = builtin + datasets.load("humaneval", None, max(1, (1 + len(DEMO_CATEGORIES)) * args.limit - len(builtin)))
-    rc = run_bench(args, qs, dataset, sys.argv[1:])
+    rc = run_bench(args, qs, dataset, sys.argv[1:], replace=True)
     if rc == 0:
         print(demo_verdict(json.loads((Path(args.out) / "summary.json").read_text(encoding="utf-8"))))
     return rc
