@@ -381,7 +381,6 @@ class CpuKernels:
                              "[rows], C-contiguous")
         fn, scored = self._harvest, int(bool(with_scores))
         ptrs = (rows, tab_ids.ctypes.data, tab_scores.ctypes.data, observed.ctypes.data)
-        arrays = (tab_ids, tab_scores, observed)  # kept alive with the pointers
 
         def run(x: torch.Tensor, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
             n, v = x.shape
@@ -394,9 +393,10 @@ class CpuKernels:
             scores = np.empty((n, k), dtype=np.float32)
             if n and fn(x.data_ptr(), n, v, x.stride(0), k, toks.ctypes.data, scored, ids.ctypes.data,
                         scores.ctypes.data, *ptrs):
-                raise ValueError(f"harvest: a token outside the table's 0..{arrays[2].shape[0] - 1}")
+                raise ValueError(f"harvest: a token outside the table's 0..{rows - 1}")
             return ids, scores
 
+        run.table = (tab_ids, tab_scores, observed)  # the arrays behind `ptrs` live as long as `run`
         return run
 
     def attention_step(self, n_heads: int, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, prefix: int,
