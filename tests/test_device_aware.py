@@ -314,8 +314,8 @@ def test_spine_reach_counts_the_spine_nodes_whose_path_probability_stays_above(m
 def test_root_branches_that_were_not_verified_still_count_as_trials(tiny_model):
     """A step's adjacency successors of the anchor are trials of their branch groups whether or not the step
     verified them (accepted exactly when the target's next token is theirs), so a group that early rejections
-    put below `min_prob` keeps learning; a verified branch counts once, and the spine groups learn from
-    verified nodes only."""
+    put below `min_prob` keeps learning; a verified branch counts once. The n-gram chain's head counts too
+    (`AcceptanceModel.explore_chain`)."""
     from goose.engine.methods import make_method
 
     vocab = tiny_model.config.vocab_size
@@ -335,7 +335,7 @@ def test_root_branches_that_were_not_verified_still_count_as_trials(tiny_model):
     m.observe(plain, WalkResult([0], 3))  # the target's next token is the rank-0 successor
     assert trials(rank0) == (before[rank0][0] + 1, before[rank0][1] + 1)
     assert trials(rank1) == (before[rank1][0], before[rank1][1] + 1)
-    assert trials(spine) == before[spine]
+    assert m._chain[0] != 3 and trials(spine) == (before[spine][0], before[spine][1] + 1)  # its head: rejected
     assert m.acc.branch_best() > low  # the bound follows the new counts
     m.candidates(7, 6, None, min_prob=1.0)
     m.observe(plain, WalkResult([0], 9))  # neither
@@ -347,3 +347,26 @@ def test_root_branches_that_were_not_verified_still_count_as_trials(tiny_model):
     counted = trials(rank0)
     m.observe(tree, WalkResult([0, node], 1))
     assert trials(rank0) == (counted[0] + 1, counted[1] + 1)
+
+
+def test_chain_nodes_that_were_not_verified_count_as_spine_trials_while_the_group_is_young():
+    """`explore_chain`: along the target's known tokens, each chain node the tree did not verify is a trial of its
+    spine group (accepted when its token is the known one) until the first rejection; verified nodes are left to
+    `update`; a group stops being counted so once it has `explore_trials` trials."""
+    acc = AcceptanceModel(AcceptanceConfig(explore_trials=3))
+    tree = DraftTree.root(0)
+    tree.add_chain(0, [1], SPINE)  # the chain's head was verified
+    trials = lambda d: tuple(acc.counts.get(("s", SHORT, d - 1), (0.0, 0.0)))  # noqa: E731 (depths 1-4: buckets 0-3)
+    acc.explore_chain(SHORT, [1, 2, 3, 4], [1, 2, 9], tree)
+    assert [trials(d) for d in (1, 2, 3, 4)] == [(0, 0), (1, 1), (0, 1), (0, 0)]
+    root_only = DraftTree.root(0)
+    acc.explore_chain(SHORT, [1, 2, 3, 4], [1, 2, 3, 4, 5], root_only)  # all four known and accepted
+    assert [trials(d) for d in (1, 2, 3, 4)] == [(1, 1), (2, 2), (1, 2), (1, 1)]
+    acc.explore_chain(SHORT, [7, 2], [1, 2], root_only)  # the head is rejected: nothing below it is a trial
+    assert [trials(d) for d in (1, 2)] == [(1, 2), (2, 2)]
+    for _ in range(3):
+        acc.explore_chain(SHORT, [1, 2, 3], [1, 2, 3], root_only)
+    assert [trials(d) for d in (1, 2, 3)] == [(2, 3), (3, 3), (2, 3)]  # each group stops at 3 trials
+    off = AcceptanceModel(AcceptanceConfig(explore_trials=0))
+    off.explore_chain(SHORT, [1, 2], [1, 2], root_only)
+    assert off.counts == {}

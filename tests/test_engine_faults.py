@@ -8,6 +8,7 @@ and unseeded sampling seeded from the OS's entropy."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -153,8 +154,10 @@ def test_a_loop_failure_is_recorded_and_fails_every_request(model32):
     real = eng._next_step
     fault = Fault()
     steps = []
+    queued = threading.Event()
 
     def next_step():
+        queued.wait(TIMEOUT)  # the loop steps only once both requests are queued (a slow machine's submit lags)
         steps.append(1)
         if len(steps) == 4:
             fault()
@@ -163,6 +166,7 @@ def test_a_loop_failure_is_recorded_and_fails_every_request(model32):
     eng._next_step = next_step
     try:
         reqs = [eng.submit([3, 4, 5], 500), eng.submit([6, 7], 500)]  # one running, one waiting
+        queued.set()
         for r in reqs:
             assert r.wait(TIMEOUT)
         assert fault.fired == 1

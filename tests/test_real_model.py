@@ -8,8 +8,9 @@ import torch
 from goose.cli import first_mismatch
 from goose.decoding import Decoder
 from goose.drafting import datastore
-from goose.engine.methods import METHODS
+from goose.engine.methods import METHODS, DeviceAwareGoose
 from goose.loading.model import load_model
+from goose.selection.costmodel import CostCurve
 
 PROMPTS = {
     "code-edit": "Rename the variable `x` to `count` everywhere in this function and show the full result:\n"
@@ -66,16 +67,25 @@ def sharegpt_store(smollm, tmp_path_factory):
         yield
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+# `goose` prices rows with this machine's cost curve, so how much it drafts depends on the machine (a curve where
+# a second row costs a whole step rightly drafts nothing). The drafting check therefore also runs under a fixed
+# curve where each row adds 40% of a one-row forward: dearer than on the CPUs measured in docs/performance.md.
+DEAR_ROWS = CostCurve(tuple(range(1, 97)), tuple(5.0 * (1 + 0.4 * (n - 1)) for n in range(1, 97)))
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"] + ["goose-dear-rows"])
 def test_method_is_lossless_on_real_prompts(smollm, references, method, request):
     model, tok = smollm
     if method == "rest":
         request.getfixturevalue("sharegpt_store")
-    dec = Decoder(model, tok, method)
+    if method == "goose-dear-rows":
+        dec = Decoder(model, tok, DeviceAwareGoose(model.get_output_embeddings().weight.shape[0], cost=DEAR_ROWS))
+    else:
+        dec = Decoder(model, tok, method)
     for name, (ids, ref) in references.items():
         res = dec.generate(ids, MAX_NEW)
         assert res.token_ids == ref, f"{method} on {name}: " + describe(model, ids, ref, res.token_ids)
-        if method in ("goose", "goose-paper") and name == "code-edit":
+        if method in ("goose-dear-rows", "goose-paper") and name == "code-edit":
             assert res.stats.tau > 1.5, f"tau {res.stats.tau:.2f} on the repetitive prompt"
 
 

@@ -220,6 +220,7 @@ class DeviceAwareGoose(GoosePaper):
         self.prefill_harvest = cfg.device_aware.prefill_harvest
         self._kind = SHORT
         self._root_succ = None  # the adjacency successors of the step's anchor, as drafted (`_observe_unbuilt`)
+        self._chain = None  # the step's n-gram chain (None: a memory draft), as drafted (`_observe_unbuilt`)
         self._learn = True  # harvest the next verified step (False: its candidates had no branch that could pay)
         self._set_cost(cost)
 
@@ -254,6 +255,7 @@ class DeviceAwareGoose(GoosePaper):
         self._kind = match_kind(first.consensus, len(first.chain))
         self._root_succ = self.adj.successors(anchor, prev)
         mem = self._memory_draft(first)
+        self._chain = None if mem is not None else first.chain
         if mem is not None:
             return self._memory_candidates(anchor, prev, mem, max_depth, min_prob)
         plain = self._gate(anchor, self.acc.best_child(self._kind, bool(first.chain)), min_prob)
@@ -330,25 +332,32 @@ class DeviceAwareGoose(GoosePaper):
         self._observe_unbuilt(tree, walk)
 
     def _observe_unbuilt(self, tree: DraftTree, walk: WalkResult) -> None:
-        """The adjacency successors of the anchor that the step did not verify count as trials of their groups
-        all the same: the target's token after the anchor is known now, and such a child of the root is accepted
-        exactly when it is that token. So a branch group that a few early rejections put below `min_prob` keeps
-        being measured at no row's cost, and returns when its true rate pays for a row (without it, 0 of 5
-        early trials held the rank-0 group at 0.13 for a whole run, against a measured rate of 0.27-0.30).
-        The n-gram chain's head is not counted so: with it, the Engine's requests at 8 in flight ended 9-13%
-        later on average (docs/performance.md)."""
-        succ = self._root_succ
-        if succ is None:
-            return
+        """Children of the root that the step did not verify count as trials of their groups all the same: the
+        target's tokens after the anchor are known now (the accepted path and the bonus token).
+
+        - The anchor's adjacency successors, always: such a child is accepted exactly when it is the target's
+          next token. So a branch group that a few early rejections put below `min_prob` keeps being measured
+          at no row's cost, and returns when its true rate pays for a row (without it, 0 of 5 early trials held
+          the rank-0 group at 0.13 for a whole run, against a measured rate of 0.27-0.30).
+        - The n-gram chain, node by node along the known tokens, only while the node's spine group has had fewer
+          than `AcceptanceConfig.explore_trials` trials: where the cost curve prices a row above what the priors
+          promise, no spine node is ever verified, so without this a spine group would never learn (the real
+          model on a repetitive prompt stayed at one token per step with rows at 1.4x). Counting the chain
+          always made the Engine's requests at 8 in flight end 9-13% later on average (docs/performance.md)."""
         nxt = tree.tokens[walk.path[1]] if len(walk.path) > 1 else walk.bonus
         built = tree.children[0]  # token -> node of the verified root children
-        branches = {tree.ranks[i] for i in built.values() if tree.sources[i] == BRANCH}
-        min_score, max_rank = self.cfg.tree.min_score, self.acc.cfg.max_rank
-        for rank, (tok, score) in enumerate(zip(*succ)):
-            if rank > max_rank or score < min_score:
-                break
-            if rank not in branches and tok not in built:
-                self.acc.count(("b", rank, 1), tok == nxt)
+        succ = self._root_succ
+        if succ is not None:
+            branches = {tree.ranks[i] for i in built.values() if tree.sources[i] == BRANCH}
+            min_score, max_rank = self.cfg.tree.min_score, self.acc.cfg.max_rank
+            for rank, (tok, score) in enumerate(zip(*succ)):
+                if rank > max_rank or score < min_score:
+                    break
+                if rank not in branches and tok not in built:
+                    self.acc.count(("b", rank, 1), tok == nxt)
+        if self._chain:
+            known = [tree.tokens[i] for i in walk.path[1:]] + [walk.bonus]
+            self.acc.explore_chain(self._kind, self._chain, known, tree)
 
 
 class Lookahead(Method):

@@ -134,6 +134,22 @@ class AcceptanceModel:
         if accepted:
             c[0] += 1.0
 
+    def explore_chain(self, kind: int, chain: list[int], known: list[int], tree: DraftTree) -> None:
+        """Count the nodes of an n-gram `chain` (match `kind`) that `tree` did not verify as trials of their spine
+        groups, along the target's `known` tokens after the anchor: a node is a trial when every node above it
+        was accepted, and accepted when its token is the known one. Only groups with fewer than
+        `cfg.explore_trials` trials are counted, so a group the cost curve never lets verify still learns its
+        rate, and the verified nodes alone keep it current afterwards."""
+        node: int | None = 0  # the chain's node in `tree` so far (None: the chain left the tree)
+        for d, tok in enumerate(chain[:len(known)], start=1):
+            node = None if node is None else tree.children[node].get(tok)
+            if node is None:  # not verified: no trial was counted for it
+                key = ("s", kind, _spine_bucket(d))
+                if self.counts.get(key, (0.0, 0.0))[1] < self.cfg.explore_trials:
+                    self.count(key, tok == known[d - 1])
+            if tok != known[d - 1]:
+                return
+
     def update(self, tree: DraftTree, keys: list[tuple], walk: WalkResult) -> None:
         self._best_branch = None
         on_path = set(walk.path)
