@@ -352,7 +352,8 @@ def test_root_branches_that_were_not_verified_still_count_as_trials(tiny_model):
 def test_chain_nodes_that_were_not_verified_count_as_spine_trials_while_the_group_is_young():
     """`explore_chain`: along the target's known tokens, each chain node the tree did not verify is a trial of its
     spine group (accepted when its token is the known one) until the first rejection; verified nodes are left to
-    `update`; a group stops being counted so once it has `explore_trials` trials."""
+    `update`; a group stops being counted so once it has `explore_trials` trials, or once a verified node of it
+    was a trial."""
     acc = AcceptanceModel(AcceptanceConfig(explore_trials=3))
     tree = DraftTree.root(0)
     tree.add_chain(0, [1], SPINE)  # the chain's head was verified
@@ -370,3 +371,8 @@ def test_chain_nodes_that_were_not_verified_count_as_spine_trials_while_the_grou
     off = AcceptanceModel(AcceptanceConfig(explore_trials=0))
     off.explore_chain(SHORT, [1, 2], [1, 2], root_only)
     assert off.counts == {}
+    fresh = AcceptanceModel(AcceptanceConfig())
+    fresh.update(tree, fresh.keys(tree, SHORT), WalkResult([0, 1], 5))  # the head was verified (and accepted)
+    assert fresh.counts == {("s", SHORT, 0): [1.0, 1.0]}
+    fresh.explore_chain(SHORT, [1, 2], [1, 2], root_only)  # depth 1: verified before, not explored any more
+    assert fresh.counts == {("s", SHORT, 0): [1.0, 1.0], ("s", SHORT, 1): [1.0, 1.0]}

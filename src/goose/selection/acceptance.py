@@ -49,10 +49,12 @@ class AcceptanceModel:
     def __init__(self, cfg: AcceptanceConfig = AcceptanceConfig()) -> None:
         self.cfg = cfg
         self.counts: dict[tuple, list[float]] = {}  # key -> [accepted, trials]
+        self.verified: set[tuple] = set()  # groups with a verified trial (`update`): no longer explored
         self._best_branch: float | None = None  # the best depth-1 branch probability (asked by every request's step)
 
     def reset(self) -> None:
         self.counts.clear()
+        self.verified.clear()
         self._best_branch = None
 
     def _prior(self, key: tuple) -> float:
@@ -137,15 +139,15 @@ class AcceptanceModel:
     def explore_chain(self, kind: int, chain: list[int], known: list[int], tree: DraftTree) -> None:
         """Count the nodes of an n-gram `chain` (match `kind`) that `tree` did not verify as trials of their spine
         groups, along the target's `known` tokens after the anchor: a node is a trial when every node above it
-        was accepted, and accepted when its token is the known one. Only groups with fewer than
-        `cfg.explore_trials` trials are counted, so a group the cost curve never lets verify still learns its
-        rate, and the verified nodes alone keep it current afterwards."""
+        was accepted, and accepted when its token is the known one. Only groups that no verified node has tried
+        yet are counted, for at most `cfg.explore_trials` trials: so a group the cost curve never lets verify
+        still learns its rate, and a group that is verified learns from its verified nodes alone."""
         node: int | None = 0  # the chain's node in `tree` so far (None: the chain left the tree)
         for d, tok in enumerate(chain[:len(known)], start=1):
             node = None if node is None else tree.children[node].get(tok)
             if node is None:  # not verified: no trial was counted for it
                 key = ("s", kind, _spine_bucket(d))
-                if self.counts.get(key, (0.0, 0.0))[1] < self.cfg.explore_trials:
+                if key not in self.verified and self.counts.get(key, (0.0, 0.0))[1] < self.cfg.explore_trials:
                     self.count(key, tok == known[d - 1])
             if tok != known[d - 1]:
                 return
@@ -155,6 +157,7 @@ class AcceptanceModel:
         on_path = set(walk.path)
         for i in range(1, len(tree)):
             if tree.parents[i] in on_path:
+                self.verified.add(keys[i])
                 c = self.counts.setdefault(keys[i], [0.0, 0.0])
                 c[1] += 1.0
                 if i in on_path:
