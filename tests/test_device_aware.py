@@ -353,7 +353,7 @@ def test_chain_nodes_that_were_not_verified_count_as_spine_trials_while_the_grou
     """`explore_chain`: along the target's known tokens, each chain node the tree did not verify is a trial of its
     spine group (accepted when its token is the known one) until the first rejection; verified nodes are left to
     `update`; a group stops being counted so once it has `explore_trials` trials, or once a verified node of it
-    was a trial."""
+    was a trial. A memory spine's nodes count in their memory groups."""
     acc = AcceptanceModel(AcceptanceConfig(explore_trials=3))
     tree = DraftTree.root(0)
     tree.add_chain(0, [1], SPINE)  # the chain's head was verified
@@ -371,6 +371,9 @@ def test_chain_nodes_that_were_not_verified_count_as_spine_trials_while_the_grou
     off = AcceptanceModel(AcceptanceConfig(explore_trials=0))
     off.explore_chain(SHORT, [1, 2], [1, 2], root_only)
     assert off.counts == {}
+    mem = AcceptanceModel(AcceptanceConfig())  # a memory spine: its nodes' groups are their memory ranks
+    mem.explore_chain(SHORT, [1, 2, 3], [1, 2, 3], root_only, memory_ranks=[0, 9, 2])
+    assert mem.counts == {("m", 0, 0): [1.0, 1.0], ("m", 7, 1): [1.0, 1.0], ("m", 2, 2): [1.0, 1.0]}
     fresh = AcceptanceModel(AcceptanceConfig())
     fresh.update(tree, fresh.keys(tree, SHORT), WalkResult([0, 1], 5))  # the head was verified (and accepted)
     assert fresh.counts == {("s", SHORT, 0): [1.0, 1.0]}

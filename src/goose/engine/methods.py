@@ -220,7 +220,8 @@ class DeviceAwareGoose(GoosePaper):
         self.prefill_harvest = cfg.device_aware.prefill_harvest
         self._kind = SHORT
         self._root_succ = None  # the adjacency successors of the step's anchor, as drafted (`_observe_unbuilt`)
-        self._chain = None  # the step's n-gram chain (None: a memory draft), as drafted (`_observe_unbuilt`)
+        self._chain = None  # the step's spine chain (n-gram or memory), as drafted (`_observe_unbuilt`)
+        self._chain_ranks = None  # its nodes' memory groups (None: an n-gram chain)
         self._learn = True  # harvest the next verified step (False: its candidates had no branch that could pay)
         self._set_cost(cost)
 
@@ -255,7 +256,7 @@ class DeviceAwareGoose(GoosePaper):
         self._kind = match_kind(first.consensus, len(first.chain))
         self._root_succ = self.adj.successors(anchor, prev)
         mem = self._memory_draft(first)
-        self._chain = None if mem is not None else first.chain
+        self._chain, self._chain_ranks = first.chain, None
         if mem is not None:
             return self._memory_candidates(anchor, prev, mem, max_depth, min_prob)
         plain = self._gate(anchor, self.acc.best_child(self._kind, bool(first.chain)), min_prob)
@@ -299,6 +300,7 @@ class DeviceAwareGoose(GoosePaper):
                            min_prob: float) -> Candidates:
         """A spine tree whose spine (and its alternatives) come from the memory, adjacency branches around."""
         ranks = [memory_rank(c, t, mem.match) for c, t in zip(mem.counts, mem.totals)]
+        self._chain, self._chain_ranks = mem.spine, ranks
         plain = self._gate(anchor, self.acc.memory_best(ranks[0]), min_prob)
         if plain is not None:
             return plain
@@ -339,11 +341,10 @@ class DeviceAwareGoose(GoosePaper):
           next token. So a branch group that a few early rejections put below `min_prob` keeps being measured
           at no row's cost, and returns when its true rate pays for a row (without it, 0 of 5 early trials held
           the rank-0 group at 0.13 for a whole run, against a measured rate of 0.27-0.30).
-        - The n-gram chain, node by node along the known tokens, only while the node's spine group has had fewer
-          than `AcceptanceConfig.explore_trials` trials: where the cost curve prices a row above what the priors
-          promise, no spine node is ever verified, so without this a spine group would never learn (the real
-          model on a repetitive prompt stayed at one token per step with rows at 1.4x). Counting the chain
-          always made the Engine's requests at 8 in flight end 9-13% later on average (docs/performance.md)."""
+        - The spine's chain (n-gram or memory), node by node along the known tokens, for groups that no verified
+          node has tried yet (`AcceptanceModel.explore_chain`): where the cost curve prices a row above what the
+          priors promise, no spine node is ever verified, so without this a spine group would never learn (the
+          real model on a repetitive prompt stayed at one token per step with rows at 1.4x)."""
         nxt = tree.tokens[walk.path[1]] if len(walk.path) > 1 else walk.bonus
         built = tree.children[0]  # token -> node of the verified root children
         succ = self._root_succ
@@ -357,7 +358,7 @@ class DeviceAwareGoose(GoosePaper):
                     self.acc.count(("b", rank, 1), tok == nxt)
         if self._chain:
             known = [tree.tokens[i] for i in walk.path[1:]] + [walk.bonus]
-            self.acc.explore_chain(self._kind, self._chain, known, tree)
+            self.acc.explore_chain(self._kind, self._chain, known, tree, self._chain_ranks)
 
 
 class Lookahead(Method):

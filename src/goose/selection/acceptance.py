@@ -136,17 +136,20 @@ class AcceptanceModel:
         if accepted:
             c[0] += 1.0
 
-    def explore_chain(self, kind: int, chain: list[int], known: list[int], tree: DraftTree) -> None:
-        """Count the nodes of an n-gram `chain` (match `kind`) that `tree` did not verify as trials of their spine
-        groups, along the target's `known` tokens after the anchor: a node is a trial when every node above it
-        was accepted, and accepted when its token is the known one. Only groups that no verified node has tried
-        yet are counted, for at most `cfg.explore_trials` trials: so a group the cost curve never lets verify
-        still learns its rate, and a group that is verified learns from its verified nodes alone."""
+    def explore_chain(self, kind: int, chain: list[int], known: list[int], tree: DraftTree,
+                      memory_ranks: list[int] | None = None) -> None:
+        """Count the nodes of a spine `chain` that `tree` did not verify as trials of their groups, along the
+        target's `known` tokens after the anchor: a node is a trial when every node above it was accepted, and
+        accepted when its token is the known one. The groups: an n-gram chain's by match `kind`, a memory
+        spine's by its nodes' `memory_ranks`. Only groups that no verified node has tried yet are counted, for at
+        most `cfg.explore_trials` trials: so a group the cost curve never lets verify still learns its rate,
+        and a group that is verified learns from its verified nodes alone."""
         node: int | None = 0  # the chain's node in `tree` so far (None: the chain left the tree)
         for d, tok in enumerate(chain[:len(known)], start=1):
             node = None if node is None else tree.children[node].get(tok)
             if node is None:  # not verified: no trial was counted for it
-                key = ("s", kind, _spine_bucket(d))
+                key = ("s", kind, _spine_bucket(d)) if memory_ranks is None else \
+                    ("m", min(memory_ranks[d - 1], 7), _spine_bucket(d))
                 if key not in self.verified and self.counts.get(key, (0.0, 0.0))[1] < self.cfg.explore_trials:
                     self.count(key, tok == known[d - 1])
             if tok != known[d - 1]:
