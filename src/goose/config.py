@@ -182,8 +182,9 @@ class AcceptanceConfig:
     max_rank: int = 9  # ranks above this share a group
     max_branch_depth: int = 6  # branch depths above this share a group
     max_prob: float = 0.98  # keeps path probabilities strictly decreasing
-    # n-gram chain nodes the step did not verify count as trials of their spine group while it has fewer trials
-    # than this (`AcceptanceModel.explore_chain`): a group the cost curve prices out still learns its rate
+    # spine nodes (n-gram chain or memory spine) a step did not verify count as trials of their group, for groups
+    # no verified node has tried yet, up to this many trials (`AcceptanceModel.explore_chain`; 0: never): a group
+    # the cost curve prices out still learns its rate
     explore_trials: int = 16
 
     def __post_init__(self) -> None:
