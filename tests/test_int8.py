@@ -287,6 +287,50 @@ def test_fused_norm_equals_reference_on_the_normed_input():
         assert torch.equal(bits(y), bits(torch.from_numpy(linear_ref(fmt, raw, normed))))
 
 
+def activate_ref(x: np.ndarray) -> np.ndarray:
+    """The integer path's gated activation silu(g) * u of x [M, 2K] with goose's exp, as the source states it
+    (float32 NumPy operations, one rounding each)."""
+    k = x.shape[1] // 2
+    g, u = x[:, :k].astype(F32), x[:, k:].astype(F32)
+    h = float.fromhex
+    t = np.minimum(np.maximum(F32(0) - g, F32(-104)), F32(89))
+    n = np.rint(t * F32(h("0x1.715476p+0")))
+    r = (t - n * F32(h("0x1.62e4p-1"))) - n * F32(h("0x1.7f7d1cp-20"))
+    coef = [1.0, 1.0, h("0x1p-1"), h("0x1.555556p-3"), h("0x1.555556p-5"), h("0x1.111112p-7"), h("0x1.6c16c2p-10"),
+            h("0x1.a01a02p-13")]
+    p = np.full_like(r, F32(coef[7]))
+    for c in reversed(coef[:7]):
+        p = p * r + F32(c)
+    j = np.clip(n.astype(np.int32), -126, 128)
+    scale = ((j + 126) << 23).astype(np.int32).view(F32)
+    with np.errstate(over="ignore"):
+        e = (p * scale) * F32(2)
+    return (g / (F32(1) + e) * u).astype(F32)
+
+
+@needs_int8
+def test_gated_activation_equals_reference_and_is_close_to_silu():
+    """The fused silu(g) * u of the integer path: every variant equals the NumPy statement of goose's exp bit for
+    bit, over the whole range (overflow to inf above ~88.7, underflow to 0, signed zeros, huge values), and
+    stays within a few float32 ulps of silu computed in float64 where that is above 1e-30."""
+    fmt, k = "Q4_1", 256
+    raw, w = weight(fmt, 40, k)
+    edges = torch.tensor([0.0, -0.0, 88.5, -88.5, 88.8, -88.8, 89.5, -89.5, 103.9, -104.5, 1e30, -1e30,
+                          0.5 * np.log(2), -0.5 * np.log(2), 1e-30, -1e-30] * 4, dtype=torch.float32)
+    g = torch.cat([edges, torch.linspace(-120, 120, 4 * k), torch.randn(4 * k) * 4])[: 8 * k].reshape(8, k)
+    x = torch.cat([g, torch.randn(8, k)], 1)
+    want = activate_ref(x.numpy())
+    for v in VARIANTS:
+        assert torch.equal(bits(int8.kernels(v).linear(x, w, 40, gated=True)),
+                           bits(torch.from_numpy(linear_ref(fmt, raw, want)))), v
+    g64, u64 = x[:, :k].double().numpy(), x[:, k:].double().numpy()
+    with np.errstate(over="ignore"):
+        silu = g64 / (1 + np.exp(-g64)) * u64
+    big = np.abs(silu) > 1e-30  # (below: exp(-g) overflows first, and the product is a signed zero)
+    assert np.all(np.abs(want - silu)[big] <= 4 * np.spacing(np.abs(silu[big]).astype(F32)))
+    assert np.all(np.abs(want[~big]) <= 1e-30) and big.mean() > 0.5
+
+
 @needs_int8
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(fmt=st.sampled_from(FMTS), m=st.integers(1, 65), row=st.integers(0, 64), threads=st.sampled_from([1, 2]),

@@ -15,7 +15,9 @@ What is guaranteed (tests check each point):
 * Row independence: a row's result depends on that row alone, not on how many rows are computed with it,
   their tile, the thread count or the variant: every variant gives the same bits (a NumPy reference with
   exact integer sums too). So a forward in this arithmetic gives the same tokens with every decoding method.
-* Not the float32 model's values: the activations are rounded to 8 bits, so logits differ from the float32
+* Not the float32 model's values: the activations are rounded to 8 bits, and the MLP's gated activation
+  silu(g) * u is computed with goose's own exp (8 values per instruction, within ~2 float32 ulps of the true
+  value, as torch's float32 silu), so logits differ from the float32
   path (`goose.backends.quant`, bit-identical to the float32 model) by about the quantization error. Plain
   greedy decoding *in this arithmetic* is the reference for losslessness.
 

@@ -24,7 +24,10 @@
 // float chain is per output.
 //
 // in(x) and the fused options (RMSNorm before, gated silu * up, residual add) are those of
-// goose_quant_linear; `prepare` is the same source (prepare.h), compiled here without contraction.
+// goose_quant_linear, with one difference: the gated activation silu(g) * u uses goose's own exp (`activate`
+// below, 8 values per instruction, the same float operations on every variant) instead of libm's expf one value
+// at a time. The RMSNorm is `prepare`'s, the same source as the float kernels' (prepare.h), compiled here
+// without contraction.
 
 #include <immintrin.h>
 #include <math.h>
@@ -248,6 +251,47 @@ inline __m128i bytes16(const float* x, float id) {
   return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
 }
 #endif
+
+// ---- the gated activation: out[m, k] = silu(g) * u, g = x[m, k], u = x[m, K + k], for x [M, 2K] ----
+// Per value, in float32, every operation rounded as written (none fused; no libm):
+//   t = min(max(-g, -104), 89)          (-g NaN: -104; g NaN still gives NaN below)
+//   n = rint(t * LOG2E)                 (round half to even; an integer in [-150, 128])
+//   r = (t - n * L1) - n * L2           (L1 has 16 significant bits, so n * L1 is exact)
+//   p = c7; p = p * r + c6; ... ; p = p * r + c0    (c_k = 1 / k!, rounded to float32; c1 = c0 = 1)
+//   e = (p * 2^(j - 1)) * 2, j = min(max(n, -126), 128)  (2^(j - 1) formed from its exponent bits, 2^-127 as 0:
+//                                                          e = exp(-g) within a few ulp; 0 below 2^-125, inf above ~88.7)
+//   out = g / (1 + e) * u
+// The constants are the exact float32 values below. Every variant runs these 8 lanes at a time with the same
+// AVX2 instructions, so the bits do not depend on the variant, the row or the thread.
+constexpr float kLog2e = 0x1.715476p+0f, kL1 = 0x1.62e4p-1f, kL2 = 0x1.7f7d1cp-20f;
+constexpr float kC[8] = {1.0f, 1.0f, 0x1p-1f, 0x1.555556p-3f, 0x1.555556p-5f, 0x1.111112p-7f, 0x1.6c16c2p-10f,
+                         0x1.a01a02p-13f};
+
+inline __m256 silu_up(__m256 g, __m256 u) {
+  const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(-104.0f)),
+                                 _mm256_set1_ps(89.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(t, _mm256_mul_ps(n, _mm256_set1_ps(kL1))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(kL2)));
+  __m256 p = _mm256_set1_ps(kC[7]);
+  for (int c = 6; c >= 0; --c) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kC[c]));
+  const __m256i j = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(-126)),
+                                     _mm256_set1_epi32(128));
+  const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(j, _mm256_set1_epi32(126)), 23));
+  const __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, scale), _mm256_set1_ps(2.0f));
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u);
+}
+
+void activate(const float* x, int64_t M, int64_t K, float* out) {
+#pragma omp parallel for schedule(static) if (M * K >= 8192)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = x + m * 2 * K;
+    const float* u = g + K;
+    float* o = out + m * K;
+    for (int64_t k = 0; k < K; k += 8)  // (K is a multiple of 32 here)
+      _mm256_storeu_ps(o + k, silu_up(_mm256_loadu_ps(g + k), _mm256_loadu_ps(u + k)));
+  }
+}
 
 template <int F>
 void quantize(const float* x, int64_t M, int64_t K, Act& a, bool offset8) {
@@ -924,7 +968,10 @@ void goose_int8_linear(int f, const float* x, int64_t M, int64_t K, const uint8_
   std::vector<float> buf;
   if (norm || gated) {
     buf.resize(M * K);
-    prepare(x, M, K, norm, eps, gated, buf.data());
+    if (gated)
+      activate(x, M, K, buf.data());
+    else
+      prepare(x, M, K, norm, eps, 0, buf.data());
     x = buf.data();
   }
   const bool acc = accumulate != 0;
