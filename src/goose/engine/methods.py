@@ -355,7 +355,7 @@ class DeviceAwareGoose(GoosePaper):
                 if rank > max_rank or score < min_score:
                     break
                 if rank not in branches and tok not in built:
-                    self.acc.count(("b", rank, 1), tok == nxt)
+                    self.acc.count(self.acc.branch_key(rank, 1), tok == nxt)
         if self._chain:
             known = [tree.tokens[i] for i in walk.path[1:]] + [walk.bonus]
             self.acc.explore_chain(self._kind, self._chain, known, tree, self._chain_ranks)

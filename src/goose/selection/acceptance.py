@@ -45,6 +45,16 @@ def _spine_bucket(depth: int) -> int:
     return depth_bucket(depth, _SPINE_DEPTH_EDGES)
 
 
+def spine_key(kind: int, depth: int) -> tuple:
+    """The group of a spine node of match `kind` at `depth`."""
+    return ("s", kind, _spine_bucket(depth))
+
+
+def memory_key(rank: int, depth: int) -> tuple:
+    """The group of a memory node of group `rank` (`memory_rank`) at `depth`."""
+    return ("m", min(rank, 7), _spine_bucket(depth))
+
+
 class AcceptanceModel:
     def __init__(self, cfg: AcceptanceConfig = AcceptanceConfig()) -> None:
         self.cfg = cfg
@@ -72,13 +82,17 @@ class AcceptanceModel:
         for i in range(1, len(tree)):
             p = tree.parents[i]
             if tree.sources[i] == SPINE:
-                out.append(("s", kind, _spine_bucket(tree.depths[i])))
+                out.append(spine_key(kind, tree.depths[i]))
             elif tree.sources[i] == MEMORY:
-                out.append(("m", min(tree.ranks[i], 7), _spine_bucket(tree.depths[i])))
+                out.append(memory_key(tree.ranks[i], tree.depths[i]))
             else:
                 bdepth[i] = bdepth[p] + 1
-                out.append(("b", min(tree.ranks[i], self.cfg.max_rank), min(bdepth[i], self.cfg.max_branch_depth)))
+                out.append(self.branch_key(tree.ranks[i], bdepth[i]))
         return out
+
+    def branch_key(self, rank: int, depth: int) -> tuple:
+        """The group of an adjacency branch node of successor `rank` at branch `depth` (both capped)."""
+        return ("b", min(rank, self.cfg.max_rank), min(depth, self.cfg.max_branch_depth))
 
     def prob(self, key: tuple) -> float:
         s = self.cfg.prior_strength
@@ -91,24 +105,24 @@ class AcceptanceModel:
         when `spine`, a branch child of any rank): every node's path probability is at most its depth-1
         ancestor's."""
         best = self.branch_best()
-        return max(best, self.prob(("s", kind, _spine_bucket(1)))) if spine else best
+        return max(best, self.prob(spine_key(kind, 1))) if spine else best
 
     def memory_best(self, rank: int) -> float:
         """`best_child` for a root whose memory child has group `rank` (adjacency children included)."""
-        return max(self.branch_best(), self.prob(("m", min(rank, 7), _spine_bucket(1))))
+        return max(self.branch_best(), self.prob(memory_key(rank, 1)))
 
     def branch_best(self) -> float:
         """The highest probability of a branch child of the root, any rank (kept until the counts change): an
         upper bound on the path probability of every adjacency branch node, wherever it hangs."""
         if self._best_branch is None:
-            self._best_branch = max(self.prob(("b", r, 1)) for r in range(self.cfg.max_rank + 1))
+            self._best_branch = max(self.prob(self.branch_key(r, 1)) for r in range(self.cfg.max_rank + 1))
         return self._best_branch
 
     def memory_reach(self, ranks: list[int], min_prob: float) -> int:
         """How many leading nodes of a memory spine with groups `ranks` keep a path probability >= `min_prob`."""
         p = 1.0
         for d, rank in enumerate(ranks, start=1):
-            p *= self.prob(("m", min(rank, 7), _spine_bucket(d)))
+            p *= self.prob(memory_key(rank, d))
             if p < min_prob:
                 return d - 1
         return len(ranks)
@@ -118,7 +132,7 @@ class AcceptanceModel:
         least `min_prob`."""
         p = 1.0
         for d in range(1, length + 1):
-            p *= self.prob(("s", kind, _spine_bucket(d)))
+            p *= self.prob(spine_key(kind, d))
             if p < min_prob:
                 return d - 1
         return length
@@ -148,20 +162,19 @@ class AcceptanceModel:
         for d, tok in enumerate(chain[:len(known)], start=1):
             node = None if node is None else tree.children[node].get(tok)
             if node is None:  # not verified: no trial was counted for it
-                key = ("s", kind, _spine_bucket(d)) if memory_ranks is None else \
-                    ("m", min(memory_ranks[d - 1], 7), _spine_bucket(d))
-                if key not in self.verified and self.counts.get(key, (0.0, 0.0))[1] < self.cfg.explore_trials:
+                key = spine_key(kind, d) if memory_ranks is None else memory_key(memory_ranks[d - 1], d)
+                if self.explorable(key):
                     self.count(key, tok == known[d - 1])
             if tok != known[d - 1]:
                 return
 
+    def explorable(self, key: tuple) -> bool:
+        """Whether `explore_chain` still counts trials of group `key`."""
+        return key not in self.verified and self.counts.get(key, (0.0, 0.0))[1] < self.cfg.explore_trials
+
     def update(self, tree: DraftTree, keys: list[tuple], walk: WalkResult) -> None:
-        self._best_branch = None
         on_path = set(walk.path)
         for i in range(1, len(tree)):
             if tree.parents[i] in on_path:
                 self.verified.add(keys[i])
-                c = self.counts.setdefault(keys[i], [0.0, 0.0])
-                c[1] += 1.0
-                if i in on_path:
-                    c[0] += 1.0
+                self.count(keys[i], i in on_path)
