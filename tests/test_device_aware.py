@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -267,7 +268,15 @@ def test_candidates_skip_the_tree_below_min_prob(tiny_model):
     cost = BatchCostCurve.single(CostCurve((1, 4, 16), (10.0, 12.0, 20.0)))
     assert _worth(None, 1, 1, 1.0) == 0.0
     assert _worth(cost, 1, 1, 1.0) == pytest.approx(EngineConfig().worth_margin * 1.0 * (cost(1, 5) - 10.0) / 4 / 10.0)
-    assert _worth(cost, 1, 14, 1.0) == 0.0  # past the curve: never skip
+    margin = EngineConfig().worth_margin
+    near_end = margin * (cost(1, 16) - cost(1, 14)) / 2 / cost(1, 14)  # the 2 rows left below the curve's end
+    assert _worth(cost, 1, 14, 1.0) == pytest.approx(near_end)
+    assert _worth(cost, 1, 16, 1.0) == math.inf  # the step fills the curve: no draft node can be verified
+    # a prompt chunk in the step: a token is priced by the decoding rows' forward alone, a row in the whole step
+    two = BatchCostCurve(((1, CostCurve((1, 4, 16), (10.0, 12.0, 20.0))), (2, CostCurve((2, 16), (12.0, 24.0)))))
+    with_chunk = _worth(two, 2, 9, 1.0, prefill_rows=8, prefill_sequences=1)
+    assert with_chunk == pytest.approx(margin * 1.0 * (two(2, 13) - two(2, 9)) / 4 / two(1, 1))
+    assert with_chunk > _worth(two, 2, 9, 1.0)  # (as plain rows, the chunk made every row look cheap)
 
 
 @given(depth=st.integers(-2, 80), edges=st.lists(st.integers(1, 64), min_size=1, max_size=12, unique=True))
@@ -330,16 +339,22 @@ def test_root_branches_that_were_not_verified_still_count_as_trials(tiny_model):
     rank0, rank1, spine = ("b", 0, 1), ("b", 1, 1), ("s", m._kind, 0)
     before = {k: trials(k) for k in (rank0, rank1, spine)}
     low = m.acc.branch_best()
-    plain = m.candidates(7, 6, None, min_prob=1.0).tree  # a plain step: nothing below the root is verified
+    gate = m.acc.cfg.max_prob  # above every root child's probability here, not above what a node can have
+    plain = m.candidates(7, 6, None, min_prob=gate).tree  # a plain step: nothing below the root is verified
     assert len(plain) == 1
     m.observe(plain, WalkResult([0], 3))  # the target's next token is the rank-0 successor
     assert trials(rank0) == (before[rank0][0] + 1, before[rank0][1] + 1)
     assert trials(rank1) == (before[rank1][0], before[rank1][1] + 1)
     assert m._chain[0] != 3 and trials(spine) == (before[spine][0], before[spine][1] + 1)  # its head: rejected
     assert m.acc.branch_best() > low  # the bound follows the new counts
-    m.candidates(7, 6, None, min_prob=1.0)
+    m.candidates(7, 6, None, min_prob=gate)
     m.observe(plain, WalkResult([0], 9))  # neither
     assert trials(rank0) == (before[rank0][0] + 1, before[rank0][1] + 2)
+    # above what any node can have (a loaded batch): nothing is looked up, so nothing is counted either
+    counts = {k: list(v) for k, v in m.acc.counts.items()}
+    assert len(m.candidates(7, 6, None, min_prob=1.0).tree) == 1 and m._chain is None and m._root_succ is None
+    m.observe(plain, WalkResult([0], 3))
+    assert m.acc.counts == counts
     # a tree that verified the rank-0 branch under the root: counted once (by `update`), accepted here
     tree = m.candidates(7, 6).tree
     node = tree.children[0].get(3)

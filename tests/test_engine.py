@@ -147,6 +147,49 @@ def test_allocation_is_the_best_set_of_subtrees(seed, n_req, fixed, shape, conte
     assert got >= best * (1 - 1e-9)
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), n_req=st.integers(1, 3), chunk=st.integers(1, 40),
+       shape=st.sampled_from(["knee", "steep", "linear"]))
+def test_allocation_beside_a_prompt_chunk_prices_tokens_by_the_decoding_rows(seed, n_req, chunk, shape):
+    """With a prompt chunk in the step, the allocation is the best set of subtrees for tokens per millisecond of
+    the decoding rows' own forward plus what the drafts add to the whole step."""
+    rng = random.Random(seed)
+    cands = []
+    for _ in range(n_req):
+        tree = _random_tree(rng, rng.randint(1, 5))
+        cands.append(Candidates(tree, [1.0] + [rng.uniform(0.01, 0.98) for _ in range(len(tree) - 1)]))
+    ms = {"knee": [10, 11, 30, 90], "steep": [10, 25, 90, 300], "linear": [10, 20, 40, 120]}[shape]
+    one = CostCurve((1, 4, 24, 64), tuple(float(m) for m in ms))
+    cost = BatchCostCurve(((1, one), (4, CostCurve((4, 24, 64), (one(4) * 1.3, one(24) * 1.3, one(64) * 1.3)))))
+    seqs = n_req + 1
+    counts = allocate_counts(cands, chunk, 0.0, cost, seqs, 0.0, chunk, 1)
+
+    def rate(sizes_and_values):
+        n = chunk + sum(k for k, _ in sizes_and_values)
+        alone = cost(n_req, n_req)
+        return sum(v for _, v in sizes_and_values) / (alone + cost(seqs, n) - cost(seqs, chunk + n_req))
+
+    got = rate([(1 + k, 1 + c.expected(k)) for c, k in zip(cands, counts)])
+    best = 0.0
+    for combo in itertools.product(*[_subtrees(c.tree) for c in cands]):
+        best = max(best, rate([(len(keep), 1 + sum(c.probs[i] for i in keep if i)) for keep, c in zip(combo, cands)]))
+    assert got >= best * (1 - 1e-9)
+
+
+def test_a_prompt_chunk_does_not_make_draft_rows_look_cheap():
+    """The same candidates beside a long prompt chunk: priced as plain rows of the step, the chunk made a token
+    look dear and drew in nodes that a decoding step would not verify; priced apart, they stay out."""
+    curve = CostCurve((1, 8, 16, 32, 64, 128), (10.0, 11.0, 13.0, 20.0, 40.0, 80.0))
+    cost = BatchCostCurve.single(curve)
+    tree = DraftTree.root(0)
+    tree.add_chain(0, list(range(1, 20)), SPINE)
+    cands = [Candidates(tree, [1.0] + [0.6] * 19) for _ in range(4)]
+    alone = sum(allocate_counts(cands, 0, 0.0, cost, 4))
+    as_rows = sum(allocate_counts(cands, 60, 0.0, cost, 5))
+    apart = sum(allocate_counts(cands, 60, 0.0, cost, 5, 0.0, 60, 1))
+    assert as_rows > alone >= apart
+
+
 def test_allocation_speculates_less_at_longer_contexts():
     """Rows that read a longer cached context cost more: the same candidates get fewer draft nodes."""
     curve = CostCurve((1, 8, 16, 32, 64, 128), (10.0, 11.0, 13.0, 20.0, 40.0, 80.0), context_ms=0.002, cache_len=256)

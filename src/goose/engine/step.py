@@ -24,6 +24,7 @@ committed token is the target's own choice, so no output can depend on them.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -214,8 +215,8 @@ def _draft(drafts: list[_Work], prefills: list[_Work], cost: CostModel | None, c
     """Each decoding slot's tree, or its candidates when its method offers them (built only where a node can
     pay for its row: `_worth`), cut to the model's context."""
     n_dec = len(drafts)
-    min_prob = _worth(cost, len(prefills) + n_dec, sum(len(w.chunk) for w in prefills) + n_dec, n_dec, context,
-                      settings)
+    n_pre = sum(len(w.chunk) for w in prefills)
+    min_prob = _worth(cost, len(prefills) + n_dec, n_pre + n_dec, n_dec, context, settings, n_pre, len(prefills))
     for w in drafts:
         s = w.slot
         anchor = s.out[-1]
@@ -233,9 +234,11 @@ def _select(drafts: list[_Work], prefills: list[_Work], cost: CostModel | None, 
     offered = [w for w in drafts if w.cands is not None]
     if not offered:
         return
-    fixed = sum(len(w.chunk) for w in prefills) + sum(len(w.tree.all_tokens) for w in drafts if w.tree)
+    n_pre = sum(len(w.chunk) for w in prefills)
+    fixed = n_pre + sum(len(w.tree.all_tokens) for w in drafts if w.tree)
     n_seq = len(prefills) + len(drafts)
-    picks = allocate([w.cands for w in offered], fixed, len(drafts) - len(offered), cost, n_seq, context)
+    picks = allocate([w.cands for w in offered], fixed, len(drafts) - len(offered), cost, n_seq, context, n_pre,
+                     len(prefills))
     for w, tree in zip(offered, picks):
         w.tree = tree
 
@@ -295,18 +298,24 @@ def _commit(w: _Work, walk: WalkResult) -> None:
 
 
 def _worth(cost: CostModel | None, sequences: int, rows: int, value: float, context: float = 0.0,
-           settings: EngineConfig = DEFAULTS) -> float:
-    """About the acceptance probability a draft node must reach to pay for its row in this step: the step's
-    tokens per millisecond without drafts (`value` tokens for `rows` rows) times the marginal cost of a
-    row (its share of the cached `context` included, averaged over `settings.worth_rows` rows), times
-    `settings.worth_margin`. Only speed depends on it (requests whose root children are all below it verify
-    a plain step without building a candidate tree); 0 without a cost curve."""
-    span = settings.worth_rows
-    if cost is None or value <= 0 or rows < 1 or rows + span > cost.max_size:
+           settings: EngineConfig = DEFAULTS, prefill_rows: int = 0, prefill_sequences: int = 0) -> float:
+    """About the acceptance probability a draft node must reach to pay for its row in this step: the decoding
+    rows' tokens per millisecond without drafts (`value` tokens; their forward priced alone when
+    `prefill_rows` of the `rows` are prompt chunks of `prefill_sequences` of the `sequences`, as
+    `selector.allocate_counts` prices them) times the marginal cost of a row in the whole step (its share of
+    the cached `context` included, averaged over `settings.worth_rows` rows, or the rows left below the
+    curve's end), times `settings.worth_margin`. Only speed depends on it (requests whose root children are
+    all below it verify a plain step without building a candidate tree): 0 without a cost curve, infinite
+    when the step already fills the curve (`allocate_counts` verifies no draft node past its end)."""
+    if cost is None or value <= 0 or rows < 1:
         return 0.0
+    span = min(settings.worth_rows, cost.max_size - rows)
+    if span < 1:
+        return math.inf
     at = cost.pricer(sequences, context)
-    base = at(rows)
-    marginal = (at(rows + span) - base) / span
+    base = cost.pricer(max(1, sequences - prefill_sequences), context)(max(1, rows - prefill_rows)) \
+        if prefill_rows else at(rows)
+    marginal = (at(rows + span) - at(rows)) / span
     return settings.worth_margin * value * marginal / base if base > 0 else 0.0
 
 

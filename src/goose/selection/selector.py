@@ -56,14 +56,17 @@ class Candidates:
 
 
 def allocate(cands: list[Candidates], fixed_tokens: int = 0, fixed_value: float = 0.0, cost=None,
-             sequences: int | None = None, context: float = 0.0) -> list[DraftTree]:
+             sequences: int | None = None, context: float = 0.0, prefill_tokens: int = 0,
+             prefill_sequences: int = 0) -> list[DraftTree]:
     """The subtree each request verifies (see `allocate_counts`)."""
-    counts = allocate_counts(cands, fixed_tokens, fixed_value, cost, sequences, context)
+    counts = allocate_counts(cands, fixed_tokens, fixed_value, cost, sequences, context, prefill_tokens,
+                             prefill_sequences)
     return [c.pick(k) for c, k in zip(cands, counts)]
 
 
 def allocate_counts(cands: list[Candidates], fixed_tokens: int = 0, fixed_value: float = 0.0, cost=None,
-                    sequences: int | None = None, context: float = 0.0) -> list[int]:
+                    sequences: int | None = None, context: float = 0.0, prefill_tokens: int = 0,
+                    prefill_sequences: int = 0) -> list[int]:
     """How many draft nodes each request verifies so that the whole step's expected committed tokens per millisecond
     is maximal (see docs/theory.md, "Many requests in one forward").
 
@@ -75,7 +78,14 @@ def allocate_counts(cands: list[Candidates], fixed_tokens: int = 0, fixed_value:
     prefix of its own order, hence a rooted subtree), so one merge and one scan over M find the optimum.
     `cost`: a `BatchCostCurve` (`context`: the sequences' mean cached tokens, which price every row alike, so
     rows stay interchangeable and the merge stays optimal), or a per-size list as `select` takes (then
-    `sequences` and `context` are ignored); None verifies every candidate node."""
+    `sequences` and `context` are ignored); None verifies every candidate node.
+
+    `prefill_tokens` of the fixed rows are prompt chunks of `prefill_sequences` other sequences: their share of
+    the step is left out of the price of a token. The step is priced as the decoding rows' forward alone,
+    ``cost(sequences - prefill_sequences, N0 - prefill_tokens)`` (N0: the rows without drafts), plus what the
+    draft nodes add to the whole step, ``cost(sequences, N0 + M) - cost(sequences, N0)``. Without that, a step
+    that carries a long prompt chunk makes every token look dear and every draft row cheap beside it, and
+    draft rows that a decoding step would not pay for get verified."""
     if cost is None:
         return [len(c.tree) - 1 for c in cands]
     seqs = sequences or len(cands)
@@ -93,10 +103,14 @@ def allocate_counts(cands: list[Candidates], fixed_tokens: int = 0, fixed_value:
     merged.sort(key=lambda pr: -pr[0])
     merged = merged[:room]
     value = fixed_value + len(cands)
-    best_m, best_rate = 0, value / at(max(base_n, 1))
+    shift = 0.0  # the prompt chunks' share of the step
+    if prefill_tokens and not isinstance(cost, (list, tuple)):
+        alone = cost.pricer(max(1, seqs - prefill_sequences), context)(max(1, base_n - prefill_tokens))
+        shift = max(0.0, at(max(base_n, 1)) - alone)
+    best_m, best_rate = 0, value / (at(max(base_n, 1)) - shift)
     for m, (p, _) in enumerate(merged, start=1):
         value += p
-        rate = value / at(base_n + m)
+        rate = value / (at(base_n + m) - shift)
         if rate > best_rate:
             best_m, best_rate = m, rate
     counts = [0] * len(cands)
