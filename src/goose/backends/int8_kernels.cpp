@@ -68,7 +68,7 @@ constexpr bool has_offset(int f) { return f == kQ4_1 || f == kQ4_K; }
 // ---- 16 columns of int32 / float32: one zmm, or two ymm ----
 #if defined(__AVX512F__)
 #define GOOSE_VNNI 1
-constexpr int kTile = 8;
+constexpr int kTile = 16;  // rows per panel pass: up to 8 as one tile, 9-16 as two tiles per group (`tile`)
 constexpr int kAmxRows = 12;  // calls of at least this many rows use AMX tiles (AMX builds; fewer: as vnni512)
 struct I {
   __m512i v;
@@ -371,71 +371,82 @@ inline void prefetch_ahead(const uint8_t* h) {
   for (int off = 0; off < GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 2 * GB + off), _MM_HINT_T0);
 }
 
-// R rows (starting at row m0 of the activations) times one panel w -> y (stride ldy).
+// One group g (header at h) of one panel for R rows from row m0 of the activations: their exact integer dot
+// products with the group's quants, chained into acc[0..R).
 template <int F, int R>
+__attribute__((always_inline)) inline void group_rows(const Act& a, int64_t m0, int64_t g, const uint8_t* h, V* acc) {
+  constexpr int G = kInfo[F].group, HB = kInfo[F].header;
+  const uint8_t* q = h + HB;
+  I ia[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) ia[r] = izero();
+  const uint8_t* xg = a.q.data() + m0 * a.ldq + g * G;
+  if constexpr (nibbles(F)) {
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const I v = wload(q + 64 * t), lo = lo4(v), hi = hi4(v);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        ia[r] = dot(ia[r], lo, bcast(xg + r * a.ldq + 8 * t));
+        ia[r] = dot(ia[r], hi, bcast(xg + r * a.ldq + 8 * t + 4));
+      }
+    }
+  } else if constexpr (F == kQ6_K) {
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      const I v = wload(q + 64 * t);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) ia[r] = dot(ia[r], v, bcast(xg + r * a.ldq + 4 * t));
+    }
+  } else {  // Q8_0
+#if GOOSE_VNNI
+    I sw = izero();
+    const I ones = iset(0x01010101);
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const I v = wload(q + 64 * t);
+      sw = dot(sw, ones, v);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) ia[r] = dot(ia[r], bcast(xg + r * a.ldq + 4 * t), v);
+    }
+    const I excess = ishl7(sw);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) ia[r] = isub(ia[r], excess);
+#else
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const I v = wload(q + 64 * t), u = qabs(v);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) ia[r] = dot(ia[r], u, qsign(bcast(xg + r * a.ldq + 4 * t), v));
+    }
+#endif
+  }
+  V s, o;
+  header<F>(h, s, o);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = chain<F>(acc[r], ia[r], s, o, a, m0 + r, g);
+}
+
+// R + R2 rows (starting at row m0 of the activations) times one panel w -> y (stride ldy). With R2 > 0 the rows
+// run as two tiles within each group, so the panel's weights are read from memory once, at the pace of all the
+// rows (two tiles one after the other would read them from memory at the first tile's pace, then from L1);
+// each row's chain is the same either way.
+template <int F, int R, int R2 = 0>
 void tile(const Act& a, int64_t m0, int64_t K, const uint8_t* w, float* y, int64_t ldy, int cols, const float* bias,
           bool accumulate, bool prefetch) {
-  constexpr int G = kInfo[F].group, GB = group_bytes(F), HB = kInfo[F].header;
+  constexpr int G = kInfo[F].group, GB = group_bytes(F);
   const int64_t groups = K / G;
-  const uint8_t* xq = a.q.data() + m0 * a.ldq;
-  V acc[R];
+  V acc[R + R2];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  for (int r = 0; r < R + R2; ++r) acc[r] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* h = w + g * GB;
     if (prefetch) prefetch_ahead<F>(h);
-    const uint8_t* q = h + HB;
-    I ia[R];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) ia[r] = izero();
-    const uint8_t* xg = xq + g * G;
-    if constexpr (nibbles(F)) {
-#pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t) {
-        const I v = wload(q + 64 * t), lo = lo4(v), hi = hi4(v);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          ia[r] = dot(ia[r], lo, bcast(xg + r * a.ldq + 8 * t));
-          ia[r] = dot(ia[r], hi, bcast(xg + r * a.ldq + 8 * t + 4));
-        }
-      }
-    } else if constexpr (F == kQ6_K) {
-#pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t) {
-        const I v = wload(q + 64 * t);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) ia[r] = dot(ia[r], v, bcast(xg + r * a.ldq + 4 * t));
-      }
-    } else {  // Q8_0
-#if GOOSE_VNNI
-      I sw = izero();
-      const I ones = iset(0x01010101);
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) {
-        const I v = wload(q + 64 * t);
-        sw = dot(sw, ones, v);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) ia[r] = dot(ia[r], bcast(xg + r * a.ldq + 4 * t), v);
-      }
-      const I excess = ishl7(sw);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) ia[r] = isub(ia[r], excess);
-#else
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) {
-        const I v = wload(q + 64 * t), u = qabs(v);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) ia[r] = dot(ia[r], u, qsign(bcast(xg + r * a.ldq + 4 * t), v));
-      }
-#endif
-    }
-    V s, o;
-    header<F>(h, s, o);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[r] = chain<F>(acc[r], ia[r], s, o, a, m0 + r, g);
+    group_rows<F, R>(a, m0, g, h, acc);
+    if constexpr (R2 > 0) group_rows<F, R2>(a, m0 + R, g, h, acc + R);
   }
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) store(y + r * ldy, acc[r], cols, bias, accumulate);
+  for (int r = 0; r < R + R2; ++r) store(y + r * ldy, acc[r], cols, bias, accumulate);
 }
 
 template <int F>
@@ -443,6 +454,14 @@ inline void rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, f
                  const float* bias, bool acc, bool pf) {
   switch (r) {
 #if defined(__AVX512F__)
+    case 16: tile<F, 8, 8>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 15: tile<F, 8, 7>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 14: tile<F, 7, 7>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 13: tile<F, 7, 6>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 12: tile<F, 6, 6>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 11: tile<F, 6, 5>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 10: tile<F, 5, 5>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
+    case 9: tile<F, 5, 4>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
     case 8: tile<F, 8>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
     case 7: tile<F, 7>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
     case 6: tile<F, 6>(a, m0, K, w, y, ldy, cols, bias, acc, pf); break;
