@@ -58,11 +58,25 @@ def test_incremental_extension_equals_full_build():
     for i in range(0, len(toks), 3):
         inc.extend(toks[i : i + 3])
         assert inc.propose() == index_of(toks[: i + 3]).propose()
+    whole.propose()
     assert inc._maps == whole._maps
+
+
+def test_appended_tokens_are_indexed_at_the_next_lookup_only():
+    toks = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
+    lazy = NgramIndex((3, 2, 1), 20)
+    for i in range(0, len(toks), 5):  # many appends between lookups
+        lazy.extend(toks[i : i + 5])
+    assert all(m == {} for m in lazy._maps.values()) and lazy.tokens == toks  # appended, not indexed yet
+    assert lazy.lookup(toks[-2:]) == index_of(toks).lookup(toks[-2:])
+    whole = index_of(toks)
+    whole.propose()
+    assert lazy._maps == whole._maps
 
 
 def test_last_ngram_without_follower_is_not_indexed():
     idx = index_of([5, 6, 7], sizes=(3,))
+    idx.propose()
     assert idx._maps[3] == {}
 
 

@@ -3,7 +3,8 @@
 For each n, a hash map from an n-gram to what we need about its occurrences: the earliest start, how
 many there are, and whether all of them are followed by the same token. Only occurrences with at least
 one following token are indexed, and the index grows with the committed tokens in O(new tokens) per
-step, so a lookup never rescans the context.
+step, so a lookup never rescans the context. Tokens are indexed at the next lookup, not when they are
+appended: a request that stops looking up (a loaded batch, where no draft row can pay) pays for appends only.
 
 Example (n = 2) over tokens ``a b c a b d``: ``(a, b)`` occurs at 0 and 3 with followers ``c`` and
 ``d`` (no consensus); proposing after ``... a b`` copies from the earliest occurrence: ``c a b d``.
@@ -52,16 +53,23 @@ class NgramIndex:
         # per n: key -> [earliest start, count, follower of earliest, all followers equal]
         self._maps: dict[int, dict[tuple[int, ...], list]] = {n: {} for n in self.ngram_sizes}
         self._next_start: dict[int, int] = {n: 0 for n in self.ngram_sizes}
+        self._indexed = 0  # len(tokens) at the last `_index`
 
     @classmethod
     def from_config(cls, cfg: NgramConfig) -> "NgramIndex":
         return cls(cfg.ngram_sizes, cfg.max_chain)
 
     def extend(self, new_tokens: Sequence[int]) -> None:
-        """Append committed tokens and index every n-gram that now has a following token."""
+        """Append committed tokens; every n-gram that now has a following token is indexed at the next lookup."""
+        self.tokens.extend(new_tokens)
+
+    def _index(self) -> None:
+        """Index the n-grams that gained a following token since the last call."""
         toks = self.tokens
-        toks.extend(new_tokens)
         end = len(toks)
+        if self._indexed == end:
+            return
+        self._indexed = end
         for n, m in self._maps.items():
             s = self._next_start[n]
             while s + n < end:  # occurrence at s is followed by toks[s + n]
@@ -79,6 +87,7 @@ class NgramIndex:
 
     def lookup(self, suffix: Sequence[int]) -> Proposal:
         """Chain copied after the earliest occurrence of the longest indexed suffix n-gram."""
+        self._index()
         toks = self.tokens
         for n in self.ngram_sizes:
             if len(suffix) < n:
