@@ -5,7 +5,8 @@ Runs each method on a few Spec-Bench questions (chat template) with the generic 
 goose's linear kernel with PyTorch's attention, and on goose's linear and attention kernels), and prints ms per step
 by stage and the share of the step spent outside the
 forward. A long-prompt run shows that drafting cost does not grow with the context (incremental
-indexes, no rescans).
+indexes, no rescans; the prompt itself is indexed once, at the first draft, so a 32-token run of a 4k-token
+prompt carries ~4 ms of it).
 
     python benchmarks/step_profile.py [--model smollm2-135m] [--methods ar,goose] [--max-new-tokens 96]
                                       [--weights gguf --arith exact|int8]
