@@ -258,8 +258,9 @@ inline __m128i bytes16(const float* x, float id) {
 //   n = rint(t * LOG2E)                 (round half to even; an integer in [-150, 128])
 //   r = (t - n * L1) - n * L2           (L1 has 16 significant bits, so n * L1 is exact)
 //   p = c7; p = p * r + c6; ... ; p = p * r + c0    (c_k = 1 / k!, rounded to float32; c1 = c0 = 1)
-//   e = (p * 2^(j - 1)) * 2, j = min(max(n, -126), 128)  (2^(j - 1) formed from its exponent bits, 2^-127 as 0:
-//                                                          e = exp(-g) within a few ulp; 0 below 2^-125, inf above ~88.7)
+//   e = (p * 2^(j - 1)) * 2, j = min(max(n, -126), 128)
+//                                       (2^(j - 1) formed from its exponent bits, 2^-127 as 0: e = exp(-g) within
+//                                        a few ulp; 0 below 2^-125, inf above ~88.7)
 //   out = g / (1 + e) * u
 // The constants are the exact float32 values below. Every variant runs these 8 lanes at a time with the same
 // AVX2 instructions, so the bits do not depend on the variant, the row or the thread.
@@ -270,7 +271,8 @@ constexpr float kC[8] = {1.0f, 1.0f, 0x1p-1f, 0x1.555556p-3f, 0x1.555556p-5f, 0x
 inline __m256 silu_up(__m256 g, __m256 u) {
   const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(-104.0f)),
                                  _mm256_set1_ps(89.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 r = _mm256_sub_ps(_mm256_sub_ps(t, _mm256_mul_ps(n, _mm256_set1_ps(kL1))),
                                  _mm256_mul_ps(n, _mm256_set1_ps(kL2)));
   __m256 p = _mm256_set1_ps(kC[7]);
