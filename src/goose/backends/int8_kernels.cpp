@@ -366,11 +366,16 @@ inline V chain(V acc, I ia, V s, V o, const Act& a, int64_t m, int64_t g) {
   return acc;
 }
 
-// The weight stream of a row tile: group g + 2's bytes asked into L1 while group g (header at h) computes.
+// The weight stream of a row tile: group g + kPrefetchGroups's bytes asked into L1 while group g (header at h)
+// computes. 16 groups (5-9 KB ahead; the threads' panels are contiguous, so past a panel's end it is their next
+// panel): whole int8 forwards in one process, interleaved, on the Zen 5 of docs/performance.md, 8 groups against
+// 2 ran 1.14x as fast at 1 row and 1.17-1.21x at 2-8 rows; 16 against 8 1.01-1.06x; 32 no better than 16.
+constexpr int kPrefetchGroups = 16;
 template <int F>
 inline void prefetch_ahead(const uint8_t* h) {
   constexpr int GB = group_bytes(F);
-  for (int off = 0; off < GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 2 * GB + off), _MM_HINT_T0);
+  for (int off = 0; off < GB; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(h + kPrefetchGroups * GB + off), _MM_HINT_T0);
 }
 
 // One group g (header at h) of one panel for R rows from row m0 of the activations: their exact integer dot

@@ -187,6 +187,12 @@ inline void store(float* y, V a, int cols, const float* bias, bool accumulate) {
   if (cols != kCols) memcpy(y, buf, sizeof(float) * cols);
 }
 
+// How many groups ahead a row tile asks each panel's weights into L1 (P panels at once, so the lines in flight
+// are P times this). Whole exact forwards in one process, interleaved, on the Zen 5 of docs/performance.md: 4
+// against 2 ran 1.05x as fast at 1-4 rows and 1.02x at 8-16; 6 about as 4; 10 and 16 slower than 6 (0.85-0.98x).
+// (The integer kernels, one panel at a time, prefetch 16 groups ahead: int8_kernels.cpp.)
+constexpr int kPrefetchGroups = 4;
+
 // R rows of x (stride ldx) times P panels (w[p]) -> y (stride ldy): per output one FMA chain over k in order.
 template <int F, int R, int P, bool Prefetch>
 inline void tile(const float* x, int64_t ldx, int64_t K, const uint8_t* const* w, float* y, int64_t ldy,
@@ -205,7 +211,8 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const uint8_t* const* w
     for (int p = 0; p < P; ++p) {
       const uint8_t* h = w[p] + g * GB;
       if constexpr (Prefetch) {
-        for (int off = 0; off < GB; off += 64) _mm_prefetch(reinterpret_cast<const char*>(h + 2 * GB + off), _MM_HINT_T0);
+        for (int off = 0; off < GB; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(h + kPrefetchGroups * GB + off), _MM_HINT_T0);
       }
       header<F>(h, s[p], o[p]);
       q[p] = h + HB;
