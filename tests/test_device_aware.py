@@ -58,52 +58,6 @@ def test_monotone_pools_a_noisy_flat_start():
     assert monotone([3.0, 1.0]) == [2.0, 2.0]
 
 
-class _TimedCache:
-    def __init__(self) -> None:
-        self.length = 0
-
-    def reset(self) -> None:
-        self.length = 0
-
-    def keep(self, path) -> None:
-        pass
-
-
-class _TimedForward:
-    """A forward whose calls take scripted time on a fake clock: `base(rows)`, times `slow` during the timed
-    passes listed in `busy` for the sizes from `from_rows` on (a burst of load from a neighbour)."""
-
-    def __init__(self, busy: set[int], from_rows: int, slow: float) -> None:
-        self.now, self.calls, self.busy, self.from_rows, self.slow = 0.0, 0, busy, from_rows, slow
-        self.pass_of_size: dict[int, int] = {}
-
-    @staticmethod
-    def base(rows: int) -> float:
-        return 10.0 + 1.5 * rows
-
-    def new_cache(self) -> _TimedCache:
-        return _TimedCache()
-
-    def run(self, segments) -> None:
-        rows = sum(len(s.tokens) for s in segments)
-        if len(segments[0].tokens) > 8:  # a prefill of the measurement's caches: untimed
-            return
-        seen = self.pass_of_size[rows] = self.pass_of_size.get(rows, -1) + 1  # 0: the warm-up pass
-        factor = self.slow if seen in self.busy and rows >= self.from_rows else 1.0
-        self.now += self.base(rows) * factor / 1e3
-
-    def clock(self) -> float:
-        return self.now
-
-
-def test_a_burst_of_load_does_not_bend_the_measured_curve():
-    """Each size keeps its fastest pass: three of five timed passes slowed down for the larger sizes (a median
-    would take them) still give the machine's own curve."""
-    fwd = _TimedForward(busy={1, 2, 3}, from_rows=4, slow=1.6)
-    curve = measure(fwd, 96, sizes=(1, 2, 4, 8), cache_len=16, repeats=5, clock=fwd.clock)
-    assert curve.ms == pytest.approx(tuple(fwd.base(n) for n in (1, 2, 4, 8)))
-
-
 def test_measure_and_cache(tmp_path, monkeypatch):
     model = make_tiny_llama()
     fwd = HFForward(model)

@@ -30,14 +30,14 @@ from ..selection.costmodel import BatchCostCurve, CostCurve, monotone
 # forward of one row past a tile costs a step (int8, AMD EPYC Zen 5, 2 threads: 8 -> 9 rows +13% with 8 sequences,
 # +18% with one, where 9 -> 12 add 4-5% each), which interpolating between 8 and 12 priced at half its cost.
 GRID = tuple(range(1, 25)) + (32, 33, 48, 64, 96, 128)
-REPEATS = 5  # timed passes over the grid (after one warm-up pass), in alternating order; each size's fastest is kept
+REPEATS = 5  # timed passes over the grid (after one warm-up pass); the median of each size is kept
 MIN_REPEATS = 2  # timed passes kept even when the time budget is spent (two give a spread)
 MAX_SPREAD = 1.5  # a measurement whose passes differ more (median over sizes) was disturbed: not cached
 MEASURE_TRIES = 2  # measurements tried before a disturbed one is used uncached
 MEASURE_BUDGET_S = 10.0  # wall seconds for all tries of one curve: past it, passes and tries stop at their minimum
 CONTEXT_ROWS = 8  # rows of the tree timed on a short and a long cache to price a row's cached context
 CONTEXT_FACTOR = 2  # the long cache holds this many times `cache_len` tokens (4x measured the same beta here)
-PROTOCOL = 5  # bumped when the measurement changes, so cached curves are measured again
+PROTOCOL = 4  # bumped when the measurement changes, so cached curves are measured again
 
 
 _KERNEL_SOURCES = ("cpu_kernels.cpp", "quant_kernels.cpp", "int8_kernels.cpp")
@@ -99,15 +99,11 @@ def tree_segment(cache, tree: DraftTree):
 @torch.inference_mode()
 def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int = REPEATS,
             sequences: int = 1, deadline: float | None = None, clock=time.perf_counter) -> CostCurve:
-    """The fastest ms per forward over the timed passes of `sequences` trees of `n` nodes in all (split as evenly
-    as possible), each on top of its own cache of `cache_len` tokens, for each size n >= sequences of `sizes`;
-    made non-decreasing in the size (`monotone`). The passes go over the sizes up and down in turn, and each
-    size keeps its fastest pass: a busy moment only adds time, and it would otherwise lift the sizes it fell
-    on against the others (a curve cached at such a moment priced 8 rows at 2.03x one where the machine ran
-    them at 1.32-1.53x, and `goose` drafted 2.0 nodes per step instead of 2.7). The caches are the
-    measurement's own (`forward.new_cache()`). For one sequence it also prices the cached context
-    (`context_cost`). Past `deadline` (a `clock` time) no pass starts beyond the warm-up and MIN_REPEATS timed
-    ones, so a slow or busy machine measures in bounded time."""
+    """Median ms per forward of `sequences` trees of `n` nodes in all (split as evenly as possible), each on
+    top of its own cache of `cache_len` tokens, for each size n >= sequences of `sizes`; made non-decreasing
+    in the size (`monotone`). The caches are the measurement's own (`forward.new_cache()`). For one sequence
+    it also prices the cached context (`context_cost`). Past `deadline` (a `clock` time) no pass starts
+    beyond the warm-up and MIN_REPEATS timed ones, so a slow or busy machine measures in bounded time."""
     sizes = tuple(n for n in sizes if n >= sequences)
     caches = prefilled_caches(forward, vocab, sequences, cache_len)
     trees = {(n, i): bushy_tree(n // sequences + (i < n % sequences), vocab) for n in sizes for i in range(sequences)}
@@ -116,7 +112,7 @@ def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int 
     for rep in range(repeats + 1):  # the first pass warms up and is discarded
         if rep > min(MIN_REPEATS, repeats) and deadline is not None and clock() > deadline:
             break
-        for n in (sizes if rep % 2 == 0 else sizes[::-1]):
+        for n in sizes:
             t0 = clock()
             forward.run(segments[n])
             dt = (clock() - t0) * 1e3
@@ -126,14 +122,15 @@ def measure(forward, vocab: int, sizes=GRID, cache_len: int = 256, repeats: int 
                 samples[n].append(dt)
     spread = statistics.median(_spread(v) for v in samples.values())
     context = context_cost(forward, vocab, cache_len, repeats, deadline, clock) if sequences == 1 else 0.0
-    return CostCurve(sizes, tuple(monotone([min(samples[n]) for n in sizes])), context, cache_len, spread)
+    return CostCurve(sizes, tuple(monotone([statistics.median(samples[n]) for n in sizes])), context, cache_len,
+                     spread)
 
 
 def context_cost(forward, vocab: int, cache_len: int, repeats: int = REPEATS, deadline: float | None = None,
                  clock=time.perf_counter) -> float:
     """ms per query row and cached token: a tree of CONTEXT_ROWS nodes timed on a cache of `cache_len` tokens
     and on one of CONTEXT_FACTOR times as many (interleaved, after a warm-up call each), the difference of the
-    fastest calls per row and extra token; never negative. `deadline` as in `measure`."""
+    medians per row and extra token; never negative. `deadline` as in `measure`."""
     caches = [prefilled_caches(forward, vocab, 1, n)[0] for n in (cache_len, CONTEXT_FACTOR * cache_len)]
     tree = bushy_tree(CONTEXT_ROWS, vocab)
     segments = [[tree_segment(c, tree)] for c in caches]
@@ -148,7 +145,7 @@ def context_cost(forward, vocab: int, cache_len: int, repeats: int = REPEATS, de
             c.keep([])
             if rep:
                 samples[i].append(dt)
-    extra = min(samples[1]) - min(samples[0])
+    extra = statistics.median(samples[1]) - statistics.median(samples[0])
     return max(0.0, extra / (CONTEXT_ROWS * (CONTEXT_FACTOR - 1) * cache_len))
 
 
