@@ -35,7 +35,7 @@ from ..config import DecodeConfig, EngineConfig
 from ..drafting.tree import ROOT, DraftTree, WalkResult
 from ..errors import GooseError
 from ..protocols import CostModel, Forward, KVCache, Segment
-from ..selection.selector import Candidates, allocate
+from ..selection.selector import Candidates, allocate, decoding_cost
 from .sampling import Chooser
 from .stats import Stats
 
@@ -313,8 +313,7 @@ def _worth(cost: CostModel | None, sequences: int, rows: int, value: float, cont
     if span < 1:
         return math.inf
     at = cost.pricer(sequences, context)
-    base = cost.pricer(max(1, sequences - prefill_sequences), context)(max(1, rows - prefill_rows)) \
-        if prefill_rows else at(rows)
+    base = decoding_cost(cost, sequences, rows, context, prefill_rows, prefill_sequences)
     marginal = (at(rows + span) - at(rows)) / span
     return settings.worth_margin * value * marginal / base if base > 0 else 0.0
 

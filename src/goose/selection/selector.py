@@ -55,6 +55,14 @@ class Candidates:
         return chosen
 
 
+def decoding_cost(cost, sequences: int, rows: int, context: float = 0.0, prefill_tokens: int = 0,
+                  prefill_sequences: int = 0) -> float:
+    """ms of a step's decoding rows priced as a forward of their own (`cost`: a `BatchCostCurve`): the step's
+    `rows` of `sequences` sequences without the `prefill_tokens` prompt-chunk rows of `prefill_sequences` of
+    them (see `allocate_counts`)."""
+    return cost.pricer(max(1, sequences - prefill_sequences), context)(max(1, rows - prefill_tokens))
+
+
 def allocate(cands: list[Candidates], fixed_tokens: int = 0, fixed_value: float = 0.0, cost=None,
              sequences: int | None = None, context: float = 0.0, prefill_tokens: int = 0,
              prefill_sequences: int = 0) -> list[DraftTree]:
@@ -105,7 +113,7 @@ def allocate_counts(cands: list[Candidates], fixed_tokens: int = 0, fixed_value:
     value = fixed_value + len(cands)
     shift = 0.0  # the prompt chunks' share of the step
     if prefill_tokens and not isinstance(cost, (list, tuple)):
-        alone = cost.pricer(max(1, seqs - prefill_sequences), context)(max(1, base_n - prefill_tokens))
+        alone = decoding_cost(cost, seqs, base_n, context, prefill_tokens, prefill_sequences)
         shift = max(0.0, at(max(base_n, 1)) - alone)
     best_m, best_rate = 0, value / (at(max(base_n, 1)) - shift)
     for m, (p, _) in enumerate(merged, start=1):
