@@ -26,10 +26,11 @@
 // in(x) and the fused options (RMSNorm before, gated silu * up, residual add) are those of
 // goose_quant_linear, with one difference: the gated activation silu(g) * u uses goose's own exp (`activate`
 // below, 8 values per instruction, the same float operations on every variant) instead of libm's expf one value
-// at a time. The RMSNorm is `prepare`'s, the same source as the float kernels' (prepare.h), compiled here
+// at a time. The RMSNorm is `rms_rows`, the one the float kernels' `prepare` runs (prepare.h), compiled here
 // without contraction.
 
 #include <immintrin.h>
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,7 +44,7 @@
 #include <unistd.h>
 #endif
 
-#include "prepare.h"  // `prepare`: RMSNorm or silu(gate) * up before a projection
+#include "prepare.h"  // `rms_rows`: the RMSNorm before a projection
 
 namespace {
 
@@ -285,7 +286,6 @@ inline __m256 silu_up(__m256 g, __m256 u) {
 }
 
 void activate(const float* x, int64_t M, int64_t K, float* out) {
-#pragma omp parallel for schedule(static) if (M * K >= 8192)
   for (int64_t m = 0; m < M; ++m) {
     const float* g = x + m * 2 * K;
     const float* u = g + K;
@@ -295,19 +295,25 @@ void activate(const float* x, int64_t M, int64_t K, float* out) {
   }
 }
 
+// The activations' buffers for M rows of K values (format F), whole tiles of 16 rows (for AMX; the q rows past
+// M are zero). Their contents are written by `quantize_rows`.
 template <int F>
-void quantize(const float* x, int64_t M, int64_t K, Act& a, bool offset8) {
-  constexpr int G = kInfo[F].group;
-  const int64_t blocks = K / kBlock, groups = K / G, padded = (M + 15) / 16 * 16;
+void size_act(int64_t M, int64_t K, Act& a) {
+  const int64_t groups = K / kInfo[F].group, padded = (M + 15) / 16 * 16;
   a.ldq = K;
   a.ldm = padded;
-  a.q.resize(padded * K);  // (whole tiles of 16 rows for AMX; the rows past M are zero)
+  a.q.resize(padded * K);
   if (padded > M) memset(a.q.data() + M * K, 0, (padded - M) * K);
   a.d.resize(padded * groups);
   a.ic.resize(padded * groups);
   if (has_offset(F)) a.ds.resize(padded * groups);
-#pragma omp parallel for schedule(static) if (M * K >= 65536)
-  for (int64_t m = 0; m < M; ++m) {
+}
+
+// Rows [m0, m1) of x [., K] quantized into a (sized by `size_act`).
+template <int F>
+void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t K, Act& a, bool offset8) {
+  const int64_t blocks = K / kBlock, padded = a.ldm;
+  for (int64_t m = m0; m < m1; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t s[2];
       const float d = quantize_block(x + m * K + b * kBlock, a.q.data() + m * K + b * kBlock, nibbles(F),
@@ -324,6 +330,29 @@ void quantize(const float* x, int64_t M, int64_t K, Act& a, bool offset8) {
       }
     }
   }
+}
+
+// The input of a projection for rows [m0, m1): in(x) (see the top: the RMSNorm with `norm`, silu(g) * u when
+// `gated`, else x itself; written to buf [M, K] when it is not x), quantized into a.
+template <int F>
+void input_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* norm, float eps, bool gated,
+                float* buf, Act& a, bool offset8) {
+  const float* in = x;
+  if (gated) {
+    activate(x + m0 * 2 * K, m1 - m0, K, buf + m0 * K);
+    in = buf;
+  } else if (norm) {
+    rms_rows(x, m0, m1, K, norm, eps, buf);
+    in = buf;
+  }
+  quantize_rows<F>(in, m0, m1, K, a, offset8);
+}
+
+// The row ranges the threads split for `input_rows`: up to kNormRows rows each (the RMSNorm's chains run together),
+// fewer when that gives each thread a range.
+inline int64_t input_step(int64_t M, int threads) {
+  const int64_t per = (M + threads - 1) / threads;
+  return per < kNormRows ? (per > 0 ? per : 1) : kNormRows;
 }
 
 template <int F>
@@ -481,12 +510,13 @@ inline void rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, f
   }
 }
 
-// Every 16-column panel (the threads split the panels) times the M rows in tiles of at most `tile` rows,
-// spread evenly over the fewest tiles: run(r, m, p, cols) for the r rows from m on panel p (cols columns).
+// Every 16-column panel (the threads of the enclosing parallel region split the panels) times the M rows in
+// tiles of at most `tile` rows, spread evenly over the fewest tiles: run(r, m, p, cols) for the r rows from m on
+// panel p (cols columns).
 template <typename Run>
 void each_tile(int64_t M, int64_t N, int tile, const Run& run) {
   const int64_t panels = (N + kCols - 1) / kCols, tiles = (M + tile - 1) / tile;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
   for (int64_t p = 0; p < panels; ++p) {
     const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
     for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
@@ -754,6 +784,7 @@ void linear_pairs(const Act& a, int64_t M, int64_t K, const uint8_t* packed, int
   PairAct e;
   expand_pairs(a, M, K, e);
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
+#pragma omp parallel
   each_tile(M, N, kTile, [&](int r, int64_t m, int64_t p, int cols) {
     const uint8_t* w = packed + p * pbytes;
     const float* b = bias ? bias + p * kCols : nullptr;
@@ -918,33 +949,52 @@ void linear_amx(const Act& a, int64_t M, int64_t K, const uint8_t* packed, int64
 }
 #endif
 
+// y = in(x) W^T (see the top) for the M rows of x: per call, the threads first split the rows' inputs (in(x),
+// quantized; `input_rows`), then the panels, in one parallel region where the path allows (the buffers are the
+// calling thread's, reused across calls).
 template <int F>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
-            bool acc) {
-  Act a;
+            bool acc, const float* norm, float eps, bool gated) {
+  thread_local Act mine;  // (the parallel region's threads see these through the references below: a
+  thread_local std::vector<float> buf;  // thread_local named inside it would be the running thread's own)
+  Act& a = mine;
+  size_act<F>(M, K, a);
+  if ((norm || gated) && static_cast<int64_t>(buf.size()) < M * K) buf.resize(M * K);
+  float* const in = buf.data();
+  const int64_t step = input_step(M, omp_get_max_threads()), ranges = (M + step - 1) / step;
+  auto inputs = [&](bool offset8) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < ranges; ++i)
+      input_rows<F>(x, i * step, (i + 1) * step < M ? (i + 1) * step : M, K, norm, eps, gated, in, a, offset8);
+  };
 #if GOOSE_AMX
   if (M >= kAmxRows) {
-    quantize<F>(x, M, K, a, false);
+#pragma omp parallel
+    inputs(false);
     linear_amx<F>(a, M, K, packed, N, bias, y, acc);
     return;
   }
 #endif
-  quantize<F>(x, M, K, a, kOffsetQ8);
 #if GOOSE_MADDUBS
-  if (M >= panel_rows<F>()) {
-    linear_panels<F>(a, M, K, packed, N, bias, y, acc);
-    return;
-  }
-  if constexpr (nibbles(F)) {
-    linear_pairs<F>(a, M, K, packed, N, bias, y, acc);
+  if (M >= panel_rows<F>() || nibbles(F)) {
+#pragma omp parallel
+    inputs(kOffsetQ8);
+    if (M >= panel_rows<F>())
+      linear_panels<F>(a, M, K, packed, N, bias, y, acc);
+    else if constexpr (nibbles(F))
+      linear_pairs<F>(a, M, K, packed, N, bias, y, acc);
     return;
   }
 #endif
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
-  each_tile(M, N, kTile, [&](int r, int64_t m, int64_t p, int cols) {
-    rows<F>(r, a, m, K, packed + p * pbytes, y + m * N + p * kCols, N, cols, bias ? bias + p * kCols : nullptr, acc,
-            m == 0);
-  });
+#pragma omp parallel
+  {
+    inputs(kOffsetQ8);
+    each_tile(M, N, kTile, [&](int r, int64_t m, int64_t p, int cols) {
+      rows<F>(r, a, m, K, packed + p * pbytes, y + m * N + p * kCols, N, cols, bias ? bias + p * kCols : nullptr,
+              acc, m == 0);
+    });
+  }
 }
 
 }  // namespace
@@ -991,22 +1041,13 @@ void goose_int8_quantize(const float* x, int64_t M, int64_t K, int8_t* q, float*
 // packed [N, K] in format f, bias [ceil(N / 16) * 16] or null, norm [K] or null, y [M, N].
 void goose_int8_linear(int f, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                        const float* bias, float* y, const float* norm, float eps, int gated, int accumulate) {
-  std::vector<float> buf;
-  if (norm || gated) {
-    buf.resize(M * K);
-    if (gated)
-      activate(x, M, K, buf.data());
-    else
-      prepare(x, M, K, norm, eps, 0, buf.data());
-    x = buf.data();
-  }
-  const bool acc = accumulate != 0;
+  const bool acc = accumulate != 0, g = gated != 0;
   switch (f) {
-    case kQ8_0: linear<kQ8_0>(x, M, K, packed, N, bias, y, acc); break;
-    case kQ4_0: linear<kQ4_0>(x, M, K, packed, N, bias, y, acc); break;
-    case kQ4_1: linear<kQ4_1>(x, M, K, packed, N, bias, y, acc); break;
-    case kQ4_K: linear<kQ4_K>(x, M, K, packed, N, bias, y, acc); break;
-    case kQ6_K: linear<kQ6_K>(x, M, K, packed, N, bias, y, acc); break;
+    case kQ8_0: linear<kQ8_0>(x, M, K, packed, N, bias, y, acc, norm, eps, g); break;
+    case kQ4_0: linear<kQ4_0>(x, M, K, packed, N, bias, y, acc, norm, eps, g); break;
+    case kQ4_1: linear<kQ4_1>(x, M, K, packed, N, bias, y, acc, norm, eps, g); break;
+    case kQ4_K: linear<kQ4_K>(x, M, K, packed, N, bias, y, acc, norm, eps, g); break;
+    case kQ6_K: linear<kQ6_K>(x, M, K, packed, N, bias, y, acc, norm, eps, g); break;
     default: break;
   }
 }

@@ -12,7 +12,39 @@
 
 namespace {
 
-void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
+// The RMSNorm of R consecutive rows of x [R, K] into out [R, K]: each row's sum of squares is its own chain over
+// k in order (in double; a float's square is exact there), so R rows run R independent chains at once, and every
+// value is computed as written.
+template <int R>
+inline void rms_tile(const float* x, int64_t K, const float* norm, float eps, float* out) {
+  double ss[R];
+  for (int r = 0; r < R; ++r) ss[r] = 0.0;
+  for (int64_t k = 0; k < K; ++k)
+    for (int r = 0; r < R; ++r) ss[r] += (double)x[r * K + k] * x[r * K + k];
+  for (int r = 0; r < R; ++r) {
+    const float scale = 1.0f / sqrtf((float)(ss[r] / K) + eps);
+    for (int64_t k = 0; k < K; ++k) out[r * K + k] = norm[k] * (x[r * K + k] * scale);
+  }
+}
+
+constexpr int64_t kNormRows = 4;  // rows whose RMSNorm chains run together (`rms_tile`)
+
+// The RMSNorm of rows [m0, m1) of x [., K] into the same rows of out, kNormRows at a time.
+inline void rms_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* norm, float eps, float* out) {
+  for (int64_t m = m0; m < m1; m += kNormRows) {
+    const int64_t r = m1 - m < kNormRows ? m1 - m : kNormRows;
+    const float* xr = x + m * K;
+    float* o = out + m * K;
+    switch (r) {
+      case 4: rms_tile<4>(xr, K, norm, eps, o); break;
+      case 3: rms_tile<3>(xr, K, norm, eps, o); break;
+      case 2: rms_tile<2>(xr, K, norm, eps, o); break;
+      default: rms_tile<1>(xr, K, norm, eps, o); break;
+    }
+  }
+}
+
+inline void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
   // The threads split rows (and a gated row's values, in chunks of 256); every value is computed as written,
   // whichever thread computes it.
   if (gated) {
@@ -28,15 +60,10 @@ void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps,
       }
     return;
   }
+  const int64_t tiles = (M + kNormRows - 1) / kNormRows;
 #pragma omp parallel for schedule(static) if (M * K >= 8192)
-  for (int64_t m = 0; m < M; ++m) {
-    float* o = buf + m * K;
-    const float* r = x + m * K;
-    double ss = 0.0;
-    for (int64_t k = 0; k < K; ++k) ss += (double)r[k] * r[k];
-    const float scale = 1.0f / sqrtf((float)(ss / K) + eps);
-    for (int64_t k = 0; k < K; ++k) o[k] = norm[k] * (r[k] * scale);
-  }
+  for (int64_t t = 0; t < tiles; ++t)
+    rms_rows(x, t * kNormRows, (t + 1) * kNormRows < M ? (t + 1) * kNormRows : M, K, norm, eps, buf);
 }
 
 }  // namespace
