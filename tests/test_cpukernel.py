@@ -325,6 +325,7 @@ def _same_bits_for_threads_and_variants(n, kh, group, d, prefix, tree, seed, kv1
 @pytest.mark.parametrize("n, kh, group, d, prefix, tree", [
     (1, 3, 3, 64, 1000, False),   # one token, 3 kv heads: keys split by range, values by columns
     (16, 3, 3, 64, 300, True),    # a 16-node tree: 48 rows per kv head, values split by rows
+    (4, 3, 3, 64, 256, True),     # a 4-node tree: 12 rows per kv head, split by rows below the keys' threshold
     (2, 1, 2, 72, 2000, False),   # 4 rows, head dim 72 (AVX-512: a partial last vector): values split by columns
     (3, 2, 4, 128, 700, True),
 ])

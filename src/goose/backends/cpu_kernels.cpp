@@ -755,6 +755,7 @@ constexpr int64_t kBlockFloats = 4096;   // a block of keys (values): 16 KB, 64 
 constexpr int64_t kWaveFloats = 1 << 19;  // score rows per wave (2 MB)
 constexpr int64_t kSplitWork = 12288;     // keys x rows of a wave from which groups are split over threads
                                           // (one token's 3 kv heads at 512 cached tokens)
+constexpr int64_t kSplitRowsWork = 4096;  // the same, for groups of rows enough to split by rows
 
 struct Group {
   const Segment* g;
@@ -1071,8 +1072,12 @@ void attention_groups(const float* qkv, int64_t H, int64_t Kh, int64_t D, const 
     const int64_t n = waves[w + 1] - waves[w];
     int64_t work = 0;  // keys x rows (at least 8 rows: a few rows cost the time to read their keys)
     for (int64_t k = waves[w]; k < waves[w + 1]; ++k) work += groups[k].Tmax * (groups[k].S < 8 ? 8 : groups[k].S);
-    // tiles per group for ~2 per thread, when the work pays for the barriers between phases
-    const int64_t parts = threads > 1 && work >= kSplitWork ? (2 * threads + n - 1) / n : 1;
+    // tiles per group for ~2 per thread, when the work pays for the barriers between phases: from kSplitWork,
+    // or from kSplitRowsWork when every group has the rows to split C by rows (no phase B of its own)
+    int64_t fewest = kGroupRows;
+    for (int64_t k = waves[w]; k < waves[w + 1]; ++k) fewest = groups[k].R < fewest ? groups[k].R : fewest;
+    const bool split = work >= kSplitWork || (fewest >= 2 * split_rows && work >= kSplitRowsWork);
+    const int64_t parts = threads > 1 && split ? (2 * threads + n - 1) / n : 1;
     for (int64_t k = waves[w]; k < waves[w + 1]; ++k) {
       const Group& gr = groups[k];
       const int64_t per = ((gr.Tmax + parts - 1) / parts + 3) / 4 * 4;  // keys per A tile, a multiple of 4
