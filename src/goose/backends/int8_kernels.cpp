@@ -203,7 +203,8 @@ struct Act {
   std::vector<uint8_t> q;
   std::vector<float> d, ds;
   std::vector<int32_t> ic;
-  int64_t ldq = 0, ldm = 0;  // q: row stride; d, ds, ic: group-major, [group][row], ldm rows per group
+  int64_t ldq = 0, ldg = 0;  // q: row stride; d, ds, ic: row-major, [row][group], ldg entries per row (whole
+                             // cache lines: the threads that quantize rows write no line another thread writes)
 };
 
 // One block of 32 activations (max of |x| is exact in any order; x * id and the conversion, rounding half to
@@ -301,32 +302,34 @@ template <int F>
 void size_act(int64_t M, int64_t K, Act& a) {
   const int64_t groups = K / kInfo[F].group, padded = (M + 15) / 16 * 16;
   a.ldq = K;
-  a.ldm = padded;
+  a.ldg = (groups + 15) / 16 * 16;
   a.q.resize(padded * K);
   if (padded > M) memset(a.q.data() + M * K, 0, (padded - M) * K);
-  a.d.resize(padded * groups);
-  a.ic.resize(padded * groups);
-  if (has_offset(F)) a.ds.resize(padded * groups);
+  a.d.resize(M * a.ldg);
+  a.ic.resize(M * a.ldg);
+  if (has_offset(F)) a.ds.resize(M * a.ldg);
 }
 
 // Rows [m0, m1) of x [., K] quantized into a (sized by `size_act`).
 template <int F>
 void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t K, Act& a, bool offset8) {
-  const int64_t blocks = K / kBlock, padded = a.ldm;
+  const int64_t blocks = K / kBlock;
   for (int64_t m = m0; m < m1; ++m) {
+    float* d_m = a.d.data() + m * a.ldg;
+    int32_t* ic_m = a.ic.data() + m * a.ldg;
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t s[2];
       const float d = quantize_block(x + m * K + b * kBlock, a.q.data() + m * K + b * kBlock, nibbles(F),
                                           F == kQ8_0 && offset8, s);
       if constexpr (F == kQ6_K) {
-        a.d[2 * b * padded + m] = d;
-        a.d[(2 * b + 1) * padded + m] = d;
-        a.ic[2 * b * padded + m] = -32 * s[0];
-        a.ic[(2 * b + 1) * padded + m] = -32 * s[1];
+        d_m[2 * b] = d;
+        d_m[2 * b + 1] = d;
+        ic_m[2 * b] = -32 * s[0];
+        ic_m[2 * b + 1] = -32 * s[1];
       } else {
-        a.d[b * padded + m] = d;
-        a.ic[b * padded + m] = F == kQ4_0 ? -8 * (s[0] + s[1]) : 0;
-        if constexpr (has_offset(F)) a.ds[b * padded + m] = d * static_cast<float>(s[0] + s[1]);
+        d_m[b] = d;
+        ic_m[b] = F == kQ4_0 ? -8 * (s[0] + s[1]) : 0;
+        if constexpr (has_offset(F)) a.ds[m * a.ldg + b] = d * static_cast<float>(s[0] + s[1]);
       }
     }
   }
@@ -388,7 +391,7 @@ inline void store(float* y, V a, int cols, const float* bias, bool accumulate) {
 // scales s and offsets o (Q4_1, Q4_K). Every arrangement below runs its chains through this one function.
 template <int F>
 inline V chain(V acc, I ia, V s, V o, const Act& a, int64_t m, int64_t g) {
-  const int64_t at = g * a.ldm + m;
+  const int64_t at = m * a.ldg + g;
   if constexpr (F == kQ4_0 || F == kQ6_K) ia = iadd(ia, iset(a.ic[at]));
   acc = vfma(vcvt(ia), vmul(s, vset(a.d[at])), acc);
   if constexpr (has_offset(F)) acc = vfma(o, vset(a.ds[at]), acc);
