@@ -44,12 +44,13 @@ inline void rms_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const fl
   }
 }
 
-inline void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
-  // The threads split rows (and a gated row's values, in chunks of 256); every value is computed as written,
-  // whichever thread computes it.
+// `prepare` by the threads of the enclosing parallel region (a worksharing loop, so it ends at a barrier): they
+// split rows (a gated row's values in chunks of 256, RMSNorm rows kNormRows at a time); every value is computed
+// as written, whichever thread computes it.
+inline void prepare_team(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
   if (gated) {
     const int64_t chunks = (K + 255) / 256;
-#pragma omp parallel for collapse(2) schedule(static) if (M * K >= 8192)
+#pragma omp for collapse(2) schedule(static)
     for (int64_t m = 0; m < M; ++m)
       for (int64_t c = 0; c < chunks; ++c) {
         float* o = buf + m * K;
@@ -61,9 +62,14 @@ inline void prepare(const float* x, int64_t M, int64_t K, const float* norm, flo
     return;
   }
   const int64_t tiles = (M + kNormRows - 1) / kNormRows;
-#pragma omp parallel for schedule(static) if (M * K >= 8192)
+#pragma omp for schedule(static)
   for (int64_t t = 0; t < tiles; ++t)
     rms_rows(x, t * kNormRows, (t + 1) * kNormRows < M ? (t + 1) * kNormRows : M, K, norm, eps, buf);
+}
+
+inline void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
+#pragma omp parallel if (M * K >= 8192)
+  prepare_team(x, M, K, norm, eps, gated, buf);
 }
 
 }  // namespace

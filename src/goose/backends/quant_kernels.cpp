@@ -305,13 +305,14 @@ inline void few_rows(int r, int np, const float* x, int64_t K, const uint8_t* co
 }
 
 // Calls of up to kQuadRows rows: work items of four adjacent panels (fewer for the last), every row over
-// all of them at once.
+// all of them at once. (`linear_few` and `linear` split their work items over the threads of the enclosing
+// parallel region.)
 template <int F>
 void linear_few(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
                 bool acc) {
   const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
   for (int64_t item = 0; item < (panels + 3) / 4; ++item) {
     const int64_t p0 = 4 * item, np = panels - p0 < 4 ? panels - p0 : 4;
     const uint8_t* w[4];
@@ -336,7 +337,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
   }
   const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
   for (int64_t item = 0; item < (panels + 1) / 2; ++item) {
     const int64_t p0 = 2 * item, np = p0 + 1 < panels ? 2 : 1;
     const uint8_t* w[2] = {packed + p0 * pbytes, packed + (p0 + np - 1) * pbytes};
@@ -533,20 +534,21 @@ void goose_quant_rows(int f, const uint8_t* packed, int64_t N, int64_t K, const 
 // or null, norm [K] or null, y [M, N]; all contiguous. accumulate: y += ..., else y = ...
 void goose_quant_linear(int f, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                         const float* bias, float* y, const float* norm, float eps, int gated, int accumulate) {
-  std::vector<float> buf;
-  if (norm || gated) {
-    buf.resize(M * K);
-    prepare(x, M, K, norm, eps, gated, buf.data());
-    x = buf.data();
-  }
+  std::vector<float> buf(norm || gated ? M * K : 0);
+  const float* in = norm || gated ? buf.data() : x;
   const bool acc = accumulate != 0;
-  switch (f) {
-    case kQ8_0: linear<kQ8_0>(x, M, K, packed, N, bias, y, acc); break;
-    case kQ4_0: linear<kQ4_0>(x, M, K, packed, N, bias, y, acc); break;
-    case kQ4_1: linear<kQ4_1>(x, M, K, packed, N, bias, y, acc); break;
-    case kQ4_K: linear<kQ4_K>(x, M, K, packed, N, bias, y, acc); break;
-    case kQ6_K: linear<kQ6_K>(x, M, K, packed, N, bias, y, acc); break;
-    default: break;
+  // one parallel region: the threads split in(x)'s rows (`prepare_team`), then the panels
+#pragma omp parallel
+  {
+    if (norm || gated) prepare_team(x, M, K, norm, eps, gated, buf.data());
+    switch (f) {
+      case kQ8_0: linear<kQ8_0>(in, M, K, packed, N, bias, y, acc); break;
+      case kQ4_0: linear<kQ4_0>(in, M, K, packed, N, bias, y, acc); break;
+      case kQ4_1: linear<kQ4_1>(in, M, K, packed, N, bias, y, acc); break;
+      case kQ4_K: linear<kQ4_K>(in, M, K, packed, N, bias, y, acc); break;
+      case kQ6_K: linear<kQ6_K>(in, M, K, packed, N, bias, y, acc); break;
+      default: break;
+    }
   }
 }
 
