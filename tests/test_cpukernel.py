@@ -298,6 +298,41 @@ def _attention_with_threads(kern, threads, heads, kh, d, n, prefix, allowed, see
 
 
 @needs_kernel
+def test_bfloat16_cache_entries_round_special_values_as_the_plain_arrangement():
+    """The grouped kernels store a new token's value in a bfloat16 cache as the plain arrangement does, bit for
+    bit, for ties (to even), denormals, signed zeros, infinities, overflow to infinity and NaNs (kept NaN); and
+    as torch rounds every value but NaN."""
+    heads, kh, d, n = 3, 1, 64, 3
+    special = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), 2 ** -130, -(2 ** -140), 0.0, -0.0,
+                            float("inf"), -float("inf"), 3.4e38, float("nan"), -float("nan"), 1e-45, 65504.0,
+                            1.00390625, 0.1], dtype=torch.float32)
+    special[-1] = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)  # a NaN that truncates to inf
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(n, (heads + 2 * kh) * d, generator=g)
+    qkv[:, (heads + kh) * d:] = special.repeat(n * d // len(special)).view(n, d)
+    qkv[1, (heads + kh) * d:] = qkv[1, (heads + kh) * d:].flip(0)
+    ang = torch.rand(n, d // 2, generator=g)
+    cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)
+    caches = []
+    for kern, plain in [(k, False) for k in VARIANTS.values()] + [(VARIANTS["avx2"], True)]:
+        for threads in (1, 2):
+            cache = torch.zeros(1, 2, kh, 5 + n, d, dtype=torch.bfloat16)
+            old = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                kern.attention_step(heads, cos, sin, cache, 5, None, d ** -0.5, plain=plain)(0, qkv)
+            finally:
+                torch.set_num_threads(old)
+            caches.append(cache)
+    for c in caches[1:]:
+        assert torch.equal(c.view(torch.int16), caches[0].view(torch.int16))
+    stored, want = caches[0][0, 1, 0, 5:].float(), qkv[:, (heads + kh) * d:].to(torch.bfloat16).float()
+    nan = want.isnan()
+    assert torch.equal(stored.isnan(), nan) and torch.equal(stored[~nan], want[~nan])
+    assert torch.equal(stored[~nan].sign(), want[~nan].sign()) and nan.any() and stored.isinf().any()
+
+
+@needs_kernel
 @settings(max_examples=12, deadline=None)
 @given(n=st.integers(1, 40), kh=st.integers(1, 3), group=st.integers(1, 9), d=st.sampled_from([16, 64, 72, 128]),
        prefix=st.integers(0, 400), tree=st.booleans(), kv16=st.booleans(), seed=st.integers(0, 2**31 - 1))
