@@ -58,6 +58,24 @@ def test_budget_accounting_and_spine_length():
         assert all(tree.parents[i] == (spine_nodes[j - 1] if j else 0) for j, i in enumerate(spine_nodes))
 
 
+def test_branch_cap_limits_branch_nodes_and_keeps_the_spine():
+    """`branch_cap` (DeviceAwareConfig.candidate_branches): at most that many branch nodes, the spine the tree
+    has without it, and the branches it keeps hang where the uncapped tree hangs its first ones (root first)."""
+    adj = full_table()
+    cfg = GooseConfig().with_budget(96)
+    chain = list(range(100, 130))
+    for c, ema, cap in [(0.3, 0.5, 16), (0.9, 0.3, 8), (0.0, 0.5, 4), (0.7, 0.1, 1000)]:
+        full = build_spine_tree(5, 4, chain if c else [], c, ema, adj, cfg)
+        capped = build_spine_tree(5, 4, chain if c else [], c, ema, adj, cfg, branch_cap=cap)
+        check_invariants(capped, len(full))
+        assert capped.count(BRANCH) == min(cap, full.count(BRANCH)) and full.count(BRANCH) > 4
+        n = capped.count(SPINE) + 1
+        assert capped.tokens[:n] == full.tokens[:n] and capped.count(SPINE) == full.count(SPINE)
+        root_kids = [capped.tokens[i] for i in range(len(capped)) if capped.parents[i] == 0 and capped.sources[i] == BRANCH]
+        full_kids = [full.tokens[i] for i in range(len(full)) if full.parents[i] == 0 and full.sources[i] == BRANCH]
+        assert root_kids and root_kids == full_kids[:len(root_kids)]
+
+
 def test_budget_formula_and_ema_tiers():
     cfg = GooseConfig()
     assert tree_budget(0.0, cfg) == 60 and tree_budget(1.0, cfg) == 100 and tree_budget(0.5, cfg) == 80

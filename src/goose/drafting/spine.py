@@ -83,10 +83,12 @@ class _Brancher:
 
 def build_spine_tree(anchor: int, prev_anchor: int | None, chain: list[int], confidence: float,
                      ema: float, adj: AdjacencyTable, cfg: GooseConfig, cap: int | None = None,
-                     spine_ranks: list[int] | None = None, alternatives=(), branches: bool = True) -> DraftTree:
+                     spine_ranks: list[int] | None = None, alternatives=(), branches: bool = True,
+                     branch_cap: int | None = None) -> DraftTree:
     """The GOOSE tree for one step (spec §5); with no chain it is a pure adjacency tree. `cap`: at most this
     many nodes, root included, whatever the chain's confidence allows. `branches`: False builds the spine (and
-    any memory alternatives) without adjacency branches.
+    any memory alternatives) without adjacency branches; `branch_cap`: at most this many adjacency branch
+    nodes (shared as without it: root, spine nodes, BFS extension), the spine's share of the budget unchanged.
 
     A spine from the suffix memory comes with `spine_ranks` (its nodes are MEMORY nodes of these ranks) and
     `alternatives`: (spine index or -1 for the root, tokens, rank) paths hung as MEMORY nodes before any
@@ -116,6 +118,9 @@ def build_spine_tree(anchor: int, prev_anchor: int | None, chain: list[int], con
         return tree
     n_spine = len(spine)
     branch_budget = budget - 1 - n_spine
+    if branch_cap is not None and branch_budget > branch_cap:
+        branch_budget = branch_cap
+        budget = len(tree) + branch_cap
     spine_share = max(1, int(branch_budget * tcfg.spine_branch_share)) if n_spine and branch_budget > 0 else 0
     root_share = branch_budget - spine_share
 

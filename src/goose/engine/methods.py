@@ -271,7 +271,8 @@ class DeviceAwareGoose(GoosePaper):
         prop = self.index.propose_extended(self.cfg.ngram, first)
         reach = self.acc.spine_reach(self._kind, len(prop.chain), min_prob) if min_prob > 0 else 0
         cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg,
-                                cap=load_budget(min_prob, reach, self.cfg.device_aware), branches=self._learn)
+                                cap=load_budget(min_prob, reach, self.cfg.device_aware), branches=self._learn,
+                                branch_cap=self.cfg.device_aware.candidate_branches)
         return self._priced(cand, max_depth)
 
     def _gate(self, anchor: int, best_child: float, min_prob: float) -> Candidates | None:
@@ -314,7 +315,8 @@ class DeviceAwareGoose(GoosePaper):
         alternatives = [(at, toks, memory_rank(c, t, mem.match)) for at, toks, c, t in mem.branches]
         cand = build_spine_tree(anchor, prev, mem.spine, chain_confidence(len(mem.spine), ranks[0] == 0), 1.0,
                                 self.adj, self.candidate_cfg, cap=load_budget(min_prob, reach, self.cfg.device_aware),
-                                spine_ranks=ranks, alternatives=alternatives, branches=self._learn)
+                                spine_ranks=ranks, alternatives=alternatives, branches=self._learn,
+                                branch_cap=self.cfg.device_aware.candidate_branches)
         return self._priced(cand, max_depth)
 
     def draft(self, anchor: int, prev: int | None) -> DraftTree:
