@@ -71,9 +71,12 @@ def test_branch_cap_limits_branch_nodes_and_keeps_the_spine():
         assert capped.count(BRANCH) == min(cap, full.count(BRANCH)) and full.count(BRANCH) > 4
         n = capped.count(SPINE) + 1
         assert capped.tokens[:n] == full.tokens[:n] and capped.count(SPINE) == full.count(SPINE)
-        root_kids = [capped.tokens[i] for i in range(len(capped)) if capped.parents[i] == 0 and capped.sources[i] == BRANCH]
-        full_kids = [full.tokens[i] for i in range(len(full)) if full.parents[i] == 0 and full.sources[i] == BRANCH]
+        root_kids, full_kids = _root_branches(capped), _root_branches(full)
         assert root_kids and root_kids == full_kids[:len(root_kids)]
+
+
+def _root_branches(tree: DraftTree) -> list[int]:
+    return [tree.tokens[i] for i in range(len(tree)) if tree.parents[i] == 0 and tree.sources[i] == BRANCH]
 
 
 def test_budget_formula_and_ema_tiers():
