@@ -80,8 +80,7 @@ struct V {
 inline I izero() { return {_mm512_setzero_si512()}; }
 inline I iset(int32_t a) { return {_mm512_set1_epi32(a)}; }
 inline I iadd(I a, I b) { return {_mm512_add_epi32(a.v, b.v)}; }
-inline I isub(I a, I b) { return {_mm512_sub_epi32(a.v, b.v)}; }
-inline I ishl7(I a) { return {_mm512_slli_epi32(a.v, 7)}; }
+inline I ixor(I a, I b) { return {_mm512_xor_si512(a.v, b.v)}; }
 inline I bcast(const uint8_t* p) {
   int32_t t;
   memcpy(&t, p, 4);
@@ -124,8 +123,7 @@ struct V {
 inline I izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 inline I iset(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
 inline I iadd(I x, I y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
-inline I isub(I x, I y) { return {_mm256_sub_epi32(x.a, y.a), _mm256_sub_epi32(x.b, y.b)}; }
-inline I ishl7(I x) { return {_mm256_slli_epi32(x.a, 7), _mm256_slli_epi32(x.b, 7)}; }
+inline I ixor(I x, I y) { return {_mm256_xor_si256(x.a, y.a), _mm256_xor_si256(x.b, y.b)}; }
 inline I bcast(const uint8_t* p) {
   int32_t t;
   memcpy(&t, p, 4);
@@ -192,13 +190,14 @@ inline I qsign(I x, I w) { return {_mm256_sign_epi8(x.a, w.a), _mm256_sign_epi8(
 #define GOOSE_AMX 0
 #endif
 
-// Q8_0 on VNNI multiplies unsigned activations: q + 128 (stored so), the excess 128 * sum(w) taken off
-// after. (AMX multiplies signed by signed: no offset.)
+// Q8_0 on VNNI multiplies unsigned weights, w + 128 (the sign bit flipped as they are loaded), by the signed
+// activations; the excess 128 * S (S: the block's sum of activations) is the row's integer correction ic.
+// (AMX multiplies signed by signed: no correction.)
 constexpr bool kOffsetQ8 = GOOSE_VNNI;
 
 // The activations of M rows, quantized for format F: q in the order the kernel reads (nibble formats:
-// within each 8 values, the 4 even then the 4 odd ones; Q8_0 on VNNI: q + 128), and per row and group g
-// the group's scale d, its integer correction ic (-c * S, see the top) and, for Q4_1 / Q4_K, dS = d * S.
+// within each 8 values, the 4 even then the 4 odd ones), and per row and group g the group's scale d, its integer
+// correction ic (-c * S, see the top; Q8_0 on VNNI: -128 * S, see kOffsetQ8) and, for Q4_1 / Q4_K, dS = d * S.
 struct Act {
   std::vector<uint8_t> q;
   std::vector<float> d, ds;
@@ -209,10 +208,10 @@ struct Act {
 
 // One block of 32 activations (max of |x| is exact in any order; x * id and the conversion, rounding half to
 // even, are per lane): its scale d returned, its 32 bytes to `out` in the kernel's order (`nibble`:
-// each 8 values as the 4 even then the 4 odd ones; `offset`: q + 128), the sums of both halves in s[2].
+// each 8 values as the 4 even then the 4 odd ones), the sums of both halves in s[2].
 inline __m128i bytes16(const float* x, float id);
 inline float absmax32(const float* x);
-float quantize_block(const float* x, uint8_t* out, bool nibble, bool offset, int32_t* s) {
+float quantize_block(const float* x, uint8_t* out, bool nibble, int32_t* s) {
   const float amax = absmax32(x);
   const float d = amax / 127.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -223,7 +222,6 @@ float quantize_block(const float* x, uint8_t* out, bool nibble, bool offset, int
     const __m128i sad = _mm_sad_epu8(_mm_xor_si128(b, _mm_set1_epi8(-128)), _mm_setzero_si128());
     s[h] = _mm_cvtsi128_si32(sad) + _mm_extract_epi16(sad, 4) - 16 * 128;
     if (nibble) b = _mm_shuffle_epi8(b, order);
-    if (offset) b = _mm_xor_si128(b, _mm_set1_epi8(-128));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h), b);
   }
   return d;
@@ -345,8 +343,7 @@ void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t K, Act& a, bo
     int32_t* ic_m = a.ic.data() + m * a.ldg;
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t s[2];
-      const float d = quantize_block(x + m * K + b * kBlock, a.q.data() + m * K + b * kBlock, nibbles(F),
-                                          F == kQ8_0 && offset8, s);
+      const float d = quantize_block(x + m * K + b * kBlock, a.q.data() + m * K + b * kBlock, nibbles(F), s);
       if constexpr (F == kQ6_K) {
         d_m[2 * b] = d;
         d_m[2 * b + 1] = d;
@@ -354,7 +351,7 @@ void quantize_rows(const float* x, int64_t m0, int64_t m1, int64_t K, Act& a, bo
         ic_m[2 * b + 1] = -32 * s[1];
       } else {
         d_m[b] = d;
-        ic_m[b] = F == kQ4_0 ? -8 * (s[0] + s[1]) : 0;
+        ic_m[b] = F == kQ4_0 ? -8 * (s[0] + s[1]) : F == kQ8_0 && offset8 ? -128 * (s[0] + s[1]) : 0;
         if constexpr (has_offset(F)) a.ds[m * a.ldg + b] = d * static_cast<float>(s[0] + s[1]);
       }
     }
@@ -418,7 +415,7 @@ inline void store(float* y, V a, int cols, const float* bias, bool accumulate) {
 template <int F>
 inline V chain(V acc, I ia, V s, V o, const Act& a, int64_t m, int64_t g) {
   const int64_t at = m * a.ldg + g;
-  if constexpr (F == kQ4_0 || F == kQ6_K) ia = iadd(ia, iset(a.ic[at]));
+  if constexpr (F == kQ4_0 || F == kQ6_K || (F == kQ8_0 && kOffsetQ8)) ia = iadd(ia, iset(a.ic[at]));
   acc = vfma(vcvt(ia), vmul(s, vset(a.d[at])), acc);
   if constexpr (has_offset(F)) acc = vfma(o, vset(a.ds[at]), acc);
   return acc;
@@ -465,18 +462,13 @@ __attribute__((always_inline)) inline void group_rows(const Act& a, int64_t m0, 
     }
   } else {  // Q8_0
 #if GOOSE_VNNI
-    I sw = izero();
-    const I ones = iset(0x01010101);
+    const I flip = iset(static_cast<int32_t>(0x80808080u));
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
-      const I v = wload(q + 64 * t);
-      sw = dot(sw, ones, v);
+      const I v = ixor(wload(q + 64 * t), flip);  // w + 128, unsigned
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) ia[r] = dot(ia[r], bcast(xg + r * a.ldq + 4 * t), v);
+      for (int r = 0; r < R; ++r) ia[r] = dot(ia[r], v, bcast(xg + r * a.ldq + 4 * t));
     }
-    const I excess = ishl7(sw);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) ia[r] = isub(ia[r], excess);
 #else
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) {
@@ -1062,7 +1054,7 @@ void goose_int8_quantize(const float* x, int64_t M, int64_t K, int8_t* q, float*
     for (int64_t b = 0; b < K / kBlock; ++b) {
       int32_t s[2];
       uint8_t* out = reinterpret_cast<uint8_t*>(q + m * K + b * kBlock);
-      d[m * (K / kBlock) + b] = quantize_block(x + m * K + b * kBlock, out, false, false, s);
+      d[m * (K / kBlock) + b] = quantize_block(x + m * K + b * kBlock, out, false, s);
     }
 }
 
