@@ -18,6 +18,7 @@ from goose.drafting.tree import BRANCH, SPINE, DraftTree
 from goose.engine import measure as costmodel
 from goose.engine.measure import load_or_measure, measure
 from goose.engine.verify import WalkResult
+from goose.errors import GooseError
 from goose.selection.acceptance import CONSENSUS, SHORT, AcceptanceModel
 from goose.selection.costmodel import BatchCostCurve, CostCurve, monotone
 from goose.selection.selector import path_probs, select
@@ -394,3 +395,42 @@ def test_chain_nodes_that_were_not_verified_count_as_spine_trials_while_the_grou
     assert fresh.counts == {("s", SHORT, 0): [1.0, 1.0]}
     fresh.explore_chain(SHORT, [1, 2], [1, 2], root_only)  # depth 1: verified before, not explored any more
     assert fresh.counts == {("s", SHORT, 0): [1.0, 1.0], ("s", SHORT, 1): [1.0, 1.0]}
+
+
+def test_two_token_matches_draft_a_spine_priced_as_their_own_group(tiny_model):
+    """`goose` matches the context down to 2 tokens (`DeviceAwareConfig.ngram_sizes`); a chain after such a match
+    is priced by the weak group (its prior, then its own counts), not with the longer matches; with the spec's
+    sizes (5, 4, 3) the same context has no chain at all."""
+    import dataclasses
+
+    from goose.config import DeviceAwareConfig, GooseConfig
+    from goose.engine.methods import make_method
+    from goose.selection.acceptance import WEAK, match_kind
+
+    assert match_kind(True, 20, weak=True) == WEAK and match_kind(True, 20) == CONSENSUS
+    vocab = tiny_model.config.vocab_size
+    context = [9, 4, 5, 11, 12, 13, 14, 4, 5]  # only (4, 5) recurs: followed by 11 12 13 14 4 5
+    cfg = GooseConfig()
+    m = make_method("goose", vocab, cfg)
+    m._set_cost(CostCurve((1, 4, 16), (10.0, 10.5, 12.0)))
+    m.begin(context)
+    cands = m.candidates(5, 4)
+    assert m._kind == WEAK
+    spine = [i for i in range(1, len(cands.tree)) if cands.tree.sources[i] == SPINE]
+    assert [cands.tree.tokens[i] for i in spine] == [11, 12, 13, 14, 4, 5]
+    prior = cfg.device_aware.acceptance.spine_prior[WEAK]
+    assert cands.probs[spine[0]] == pytest.approx(prior)
+    # counts of the weak group move its price, and no other group's
+    tree = cands.tree
+    m.acc.update(tree, m.acc.keys(tree, WEAK), WalkResult([0, spine[0]], 12))
+    assert m.candidates(5, 4).probs[spine[0]] > prior
+    assert m.acc.prob(("s", SHORT, 0)) == pytest.approx(cfg.device_aware.acceptance.spine_prior[SHORT])
+    spec = dataclasses.replace(cfg, device_aware=dataclasses.replace(cfg.device_aware, ngram_sizes=(5, 4, 3)))
+    plain = make_method("goose", vocab, spec)
+    plain._set_cost(CostCurve((1, 4, 16), (10.0, 10.5, 12.0)))
+    plain.begin(context)
+    assert SPINE not in plain.candidates(5, 4).tree.sources
+    with pytest.raises(GooseError):
+        DeviceAwareConfig(ngram_sizes=(3, 0))
+    with pytest.raises(GooseError):
+        AcceptanceConfig(spine_prior=(0.7, 0.5, 0.3))

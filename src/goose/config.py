@@ -172,7 +172,9 @@ class MemoryConfig:
 class AcceptanceConfig:
     """Priors and grouping of the online acceptance model used by the device-aware `goose` method."""
 
-    spine_prior: tuple[float, float, float] = (0.7, 0.5, 0.3)  # consensus, long (>= 8 tokens), short match
+    # spine nodes by the match they were copied after: consensus, long (>= 8 tokens), short, and weak (an n-gram of
+    # at most `DeviceAwareConfig.weak_ngram` tokens, whatever its followers)
+    spine_prior: tuple[float, float, float, float] = (0.7, 0.5, 0.3, 0.3)
     branch_prior: tuple[float, ...] = (0.3, 0.1, 0.05, 0.03, 0.02)  # by adjacency rank (last one repeats)
     # memory nodes, by how often their token followed the match (`goose.selection.acceptance.memory_rank`):
     # all of >= 2 occurrences, all of one, most of them, fewer; after a match of >= 8 tokens, and a shorter one
@@ -190,6 +192,9 @@ class AcceptanceConfig:
     def __post_init__(self) -> None:
         if self.explore_trials < 0:
             raise GooseError(f"explore_trials must be >= 0, got {self.explore_trials}")
+        if len(self.spine_prior) != 4 or not all(0.0 <= p <= 1.0 for p in self.spine_prior):
+            raise GooseError("spine_prior needs 4 probabilities (consensus, long, short, weak match), "
+                             f"got {self.spine_prior}")
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,15 @@ class DeviceAwareConfig:
     # Measured (docs/performance.md, "Fewer candidate branches"): the steps verified the same nodes (tau unchanged)
     # with 16 as with 80, and drafting cost 0.1 ms less per step
     candidate_branches: int | None = 16
+    # the n-gram sizes `goose` matches the context's suffix with, longest first (`goose-paper` keeps
+    # `NgramConfig.ngram_sizes`, the spec's 5, 4, 3). Chains after a match of at most `weak_ngram` tokens are
+    # priced as their own group (`AcceptanceConfig.spine_prior`'s weak entry). Measured (docs/performance.md,
+    # "Two-token matches"): replaying greedy outputs of Spec-Bench questions, a 2-token match was the next token
+    # in about half the steps where no longer n-gram matched (3-5-token matches: 80%), and adding them raised the
+    # tokens per chain of 4 from 1.49 to 1.61; 1-token matches were right in 17-24%, less than the adjacency
+    # table's first successor, so they are not looked up
+    ngram_sizes: tuple[int, ...] = (5, 4, 3, 2)
+    weak_ngram: int = 2
     carry_over: bool = True  # keep acceptance statistics across requests of one decoder
     # prompt positions (the last k) harvested into the adjacency table at prefill; None: all (as goose-paper).
     # Each costs a vocabulary-wide projection; measured on the CPU (benchmarks/prefill_harvest.py), τ was the
@@ -218,6 +232,10 @@ class DeviceAwareConfig:
             raise GooseError("load_depths and load_min_budget must be >= 1")
         if self.candidate_branches is not None and self.candidate_branches < 0:
             raise GooseError(f"candidate_branches must be >= 0 or None, got {self.candidate_branches}")
+        if not self.ngram_sizes or any(n < 1 for n in self.ngram_sizes):
+            raise GooseError(f"ngram_sizes must be positive integers, got {self.ngram_sizes}")
+        if self.weak_ngram < 0:
+            raise GooseError(f"weak_ngram must be >= 0, got {self.weak_ngram}")
 
 @dataclass(frozen=True)
 class GooseConfig:

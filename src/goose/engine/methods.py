@@ -155,9 +155,13 @@ class GoosePaper(_AdjacencyMethod):
 
     def begin(self, tokens: list[int]) -> None:
         super().begin(tokens)
-        self.index = NgramIndex.from_config(self.cfg.ngram)
+        self.index = self.new_index()
         self.index.extend(tokens)
         self.ema = self.cfg.tree.ema_init
+
+    def new_index(self) -> NgramIndex:
+        """The request's context n-gram index (the spine source)."""
+        return NgramIndex.from_config(self.cfg.ngram)
 
     def commit(self, tokens: list[int]) -> None:
         self.index.extend(tokens)
@@ -240,6 +244,10 @@ class DeviceAwareGoose(GoosePaper):
         super().start()
         self._learn = True  # before the prefill, whose chunks are harvested
 
+    def new_index(self) -> NgramIndex:
+        """Matches down to `DeviceAwareConfig.ngram_sizes` (2 tokens by default; their chains priced apart)."""
+        return NgramIndex(self.cfg.device_aware.ngram_sizes, self.cfg.ngram.max_chain)
+
     def begin(self, tokens: list[int]) -> None:
         super().begin(tokens)
         if not self.cfg.device_aware.carry_over:
@@ -259,7 +267,7 @@ class DeviceAwareGoose(GoosePaper):
             self._learn = False
             return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
         first = self.index.propose()
-        self._kind = match_kind(first.consensus, len(first.chain))
+        self._kind = match_kind(first.consensus, len(first.chain), 0 < first.ngram <= self.cfg.device_aware.weak_ngram)
         self._root_succ = self.adj.successors(anchor, prev)
         mem = self._memory_draft(first)
         self._chain, self._chain_ranks = first.chain, None

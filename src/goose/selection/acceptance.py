@@ -15,11 +15,15 @@ from bisect import bisect_left
 from ..config import AcceptanceConfig
 from ..drafting.tree import MEMORY, SPINE, DraftTree, WalkResult
 
-CONSENSUS, LONG, SHORT = 0, 1, 2
+CONSENSUS, LONG, SHORT, WEAK = 0, 1, 2, 3
 _SPINE_DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # depth buckets: <=1, <=2, ..., >32
 
 
-def match_kind(consensus: bool, chain_len: int) -> int:
+def match_kind(consensus: bool, chain_len: int, weak: bool = False) -> int:
+    """A chain's match kind: WEAK after a match of few tokens (`weak`, whatever its followers), else CONSENSUS when
+    every occurrence had the same follower, LONG for chains of 8 tokens or more, SHORT otherwise."""
+    if weak:
+        return WEAK
     return CONSENSUS if consensus else LONG if chain_len >= 8 else SHORT
 
 
