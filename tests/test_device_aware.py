@@ -332,6 +332,9 @@ def test_root_branches_that_were_not_verified_still_count_as_trials(tiny_model):
     m = make_method("goose", vocab, None)
     m._set_cost(CostCurve((1, 4, 16), (10.0, 12.0, 20.0)))
     m.begin([5, 6, 7, 5, 6, 7, 5, 6])
+    for _ in range(400):  # a memory group that could pay at any price (this request has no memory to draft from)
+        m.acc.count(("m", 0, 0), True)
+    assert m.acc.child_best() == m.acc.cfg.max_prob
     logits = torch.full((1, vocab), -30.0)
     logits[0, 3], logits[0, 4] = 5.0, 4.0  # the anchor 7 (after 6): successors 3, then 4
     m.candidates(7, 6)
@@ -340,7 +343,8 @@ def test_root_branches_that_were_not_verified_still_count_as_trials(tiny_model):
     rank0, rank1, spine = ("b", 0, 1), ("b", 1, 1), ("s", m._kind, 0)
     before = {k: trials(k) for k in (rank0, rank1, spine)}
     low = m.acc.branch_best()
-    gate = m.acc.cfg.max_prob  # above every root child's probability here, not above what a node can have
+    gate = m.acc.cfg.max_prob  # above every root child's probability this step can draft, not above what a
+    # child of some group can have (`child_best`, the memory group's)
     plain = m.candidates(7, 6, None, min_prob=gate).tree  # a plain step: nothing below the root is verified
     assert len(plain) == 1
     m.observe(plain, WalkResult([0], 3))  # the target's next token is the rank-0 successor
@@ -434,3 +438,52 @@ def test_two_token_matches_draft_a_spine_priced_as_their_own_group(tiny_model):
         DeviceAwareConfig(ngram_sizes=(3, 0))
     with pytest.raises(GooseError):
         AcceptanceConfig(spine_prior=(0.7, 0.5, 0.3))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("smb"), st.integers(0, 12), st.integers(1, 8), st.booleans()), max_size=60),
+       st.integers(0, 60))
+def test_child_best_is_the_best_depth_one_probability_of_any_group(counts, ask_at):
+    """`child_best` (kept between calls, updated by `count`) equals the maximum over every group a child of the root
+    can belong to, whatever the order of counts and questions."""
+    from goose.selection.acceptance import LONG, WEAK, memory_key, spine_key
+
+    acc = AcceptanceModel()
+
+    def brute() -> float:
+        keys = ([spine_key(k, 1) for k in (CONSENSUS, LONG, SHORT, WEAK)] + [memory_key(r, 1) for r in range(8)]
+                + [acc.branch_key(r, 1) for r in range(acc.cfg.max_rank + 1)])
+        return max(acc.prob(k) for k in keys)
+
+    for i, (kind, group, depth, accepted) in enumerate(counts):
+        if i == ask_at:
+            assert acc.child_best() == brute()
+        if kind == "s":
+            key = spine_key(group % 4, depth)
+        elif kind == "m":
+            key = memory_key(group, depth)
+        else:
+            key = acc.branch_key(group, depth)
+        acc.count(key, accepted)
+    assert acc.child_best() == brute()
+    acc.reset()
+    assert acc.child_best() == brute()
+
+
+def test_a_step_no_child_can_pay_for_looks_nothing_up(tiny_model):
+    """Under load (`min_prob` above `child_best`) `candidates` returns a plain step without reading the n-gram index,
+    the memory or the adjacency table; just below it, it looks up as usual."""
+    from goose.engine.methods import make_method
+
+    m = make_method("goose", tiny_model.config.vocab_size, None)
+    m._set_cost(CostCurve((1, 4, 16), (10.0, 12.0, 20.0)))
+    m.begin([5, 6, 7, 5, 6, 7, 5, 6])
+    best = m.acc.child_best()
+    looked = []
+    propose = m.index.propose
+    m.index.propose = lambda: looked.append(1) or propose()
+    plain = m.candidates(7, 6, None, min_prob=best * 1.001)
+    assert len(plain.tree) == 1 and plain.tree.route == "ar" and not looked
+    assert m._chain is None and m._root_succ is None
+    m.candidates(7, 6, None, min_prob=best * 0.999)
+    assert looked

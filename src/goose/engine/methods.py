@@ -260,9 +260,10 @@ class DeviceAwareGoose(GoosePaper):
         the caller's estimate of the path probability a node must reach to pay for its row. When no child of
         the root can reach it, the tree is not built (a plain step); when no adjacency branch can
         (`AcceptanceModel.branch_best`), the tree is its spine alone. Either way the step is not harvested. When
-        `min_prob` is above any probability a node can have (`AcceptanceConfig.max_prob`: a loaded batch, where
-        a row costs more than a token brings), nothing is looked up either: the step costs what `ar`'s does."""
-        if min_prob > self.acc.cfg.max_prob:
+        `min_prob` is above any probability a child of the root can have (`AcceptanceModel.child_best`, at most
+        `AcceptanceConfig.max_prob`: a loaded batch, where a row costs more than a token brings), nothing is looked
+        up either: the step costs what `ar`'s does."""
+        if min_prob > self.acc.child_best():
             self._root_succ = self._chain = None
             self._learn = False
             return Candidates(DraftTree.root(anchor, route="ar"), [1.0])

@@ -65,11 +65,13 @@ class AcceptanceModel:
         self.counts: dict[tuple, list[float]] = {}  # key -> [accepted, trials]
         self.verified: set[tuple] = set()  # groups with a verified trial (`update`): no longer explored
         self._best_branch: float | None = None  # the best depth-1 branch probability (asked by every request's step)
+        self._best_child: tuple[float, tuple] | None = None  # the best depth-1 probability of any group, and its group
 
     def reset(self) -> None:
         self.counts.clear()
         self.verified.clear()
         self._best_branch = None
+        self._best_child = None
 
     def _prior(self, key: tuple) -> float:
         if key[0] == "s":
@@ -122,6 +124,17 @@ class AcceptanceModel:
             self._best_branch = max(self.prob(self.branch_key(r, 1)) for r in range(self.cfg.max_rank + 1))
         return self._best_branch
 
+    def child_best(self) -> float:
+        """The highest probability a child of the root can have, whatever the step drafts (a spine child of any
+        match kind, a memory child of any group, a branch of any rank): when a step's `min_prob` is above it, no
+        draft node can pay and nothing needs to be looked up. Kept between calls, updated by `count`."""
+        if self._best_child is None:
+            keys = ([spine_key(kind, 1) for kind in (CONSENSUS, LONG, SHORT, WEAK)]
+                    + [memory_key(rank, 1) for rank in range(8)]
+                    + [self.branch_key(rank, 1) for rank in range(self.cfg.max_rank + 1)])
+            self._best_child = max((self.prob(k), k) for k in keys)
+        return self._best_child[0]
+
     def memory_reach(self, ranks: list[int], min_prob: float) -> int:
         """How many leading nodes of a memory spine with groups `ranks` keep a path probability >= `min_prob`."""
         p = 1.0
@@ -153,6 +166,13 @@ class AcceptanceModel:
         c[1] += 1.0
         if accepted:
             c[0] += 1.0
+        best = self._best_child
+        if best is not None and key[2] == (1 if key[0] == "b" else 0):  # a depth-1 group
+            p = self.prob(key)
+            if p >= best[0]:
+                self._best_child = (p, key)
+            elif key == best[1]:  # the best one fell: find the new best when next asked
+                self._best_child = None
 
     def explore_chain(self, kind: int, chain: list[int], known: list[int], tree: DraftTree,
                       memory_ranks: list[int] | None = None) -> None:
