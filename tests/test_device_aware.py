@@ -446,12 +446,13 @@ def test_two_token_matches_draft_a_spine_priced_as_their_own_group(tiny_model):
 def test_child_best_is_the_best_depth_one_probability_of_any_group(counts, ask_at):
     """`child_best` (kept between calls, updated by `count`) equals the maximum over every group a child of the root
     can belong to, whatever the order of counts and questions."""
-    from goose.selection.acceptance import LONG, WEAK, memory_key, spine_key
+    from goose.selection.acceptance import LONG, MEMORY_GROUPS, WEAK, memory_key, spine_key
 
     acc = AcceptanceModel()
 
     def brute() -> float:
-        keys = ([spine_key(k, 1) for k in (CONSENSUS, LONG, SHORT, WEAK)] + [memory_key(r, 1) for r in range(8)]
+        keys = ([spine_key(k, 1) for k in (CONSENSUS, LONG, SHORT, WEAK)]
+                + [memory_key(r, 1) for r in range(MEMORY_GROUPS)]
                 + [acc.branch_key(r, 1) for r in range(acc.cfg.max_rank + 1)])
         return max(acc.prob(k) for k in keys)
 

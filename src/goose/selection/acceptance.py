@@ -27,6 +27,7 @@ def match_kind(consensus: bool, chain_len: int, weak: bool = False) -> int:
     return CONSENSUS if consensus else LONG if chain_len >= 8 else SHORT
 
 
+MEMORY_GROUPS = 8  # memory groups (`memory_rank`: 4 by count, times long or short match)
 MEMORY_LONG_MATCH = 8  # memory matches of this many context tokens or more are grouped apart from shorter ones
 
 
@@ -56,7 +57,7 @@ def spine_key(kind: int, depth: int) -> tuple:
 
 def memory_key(rank: int, depth: int) -> tuple:
     """The group of a memory node of group `rank` (`memory_rank`) at `depth`."""
-    return ("m", min(rank, 7), _spine_bucket(depth))
+    return ("m", min(rank, MEMORY_GROUPS - 1), _spine_bucket(depth))
 
 
 class AcceptanceModel:
@@ -130,7 +131,7 @@ class AcceptanceModel:
         draft node can pay and nothing needs to be looked up. Kept between calls, updated by `count`."""
         if self._best_child is None:
             keys = ([spine_key(kind, 1) for kind in (CONSENSUS, LONG, SHORT, WEAK)]
-                    + [memory_key(rank, 1) for rank in range(8)]
+                    + [memory_key(rank, 1) for rank in range(MEMORY_GROUPS)]
                     + [self.branch_key(rank, 1) for rank in range(self.cfg.max_rank + 1)])
             self._best_child = max((self.prob(k), k) for k in keys)
         return self._best_child[0]
