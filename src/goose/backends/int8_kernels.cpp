@@ -36,7 +36,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <memory>
 #include <vector>
 
 #if defined(__AMX_INT8__)
@@ -731,18 +730,22 @@ void linear_panels(const Act& a, int64_t M, int64_t K, const uint8_t* packed, in
 // (x[0], x[2]) 8 times, then (x[1], x[3]) 8 times), so vpmaddubsw reads it from memory. A lane sums 16 products
 // of at most 15 * 127 per group in int16 (30480), then the two 128-bit halves, widened, are added per column.
 struct PairAct {
-  std::unique_ptr<uint8_t[]> bytes;  // [row][K / 4] operands of 32 bytes (not zeroed: all written before read)
-  int64_t ld = 0;                    // operands per row
-  const __m256i* x() const { return reinterpret_cast<const __m256i*>(bytes.get()); }
+  std::vector<__m256i> bytes;  // [row][K / 4] operands (grown as needed; all a call reads is written first)
+  int64_t ld = 0;              // operands per row
+  const __m256i* x() const { return bytes.data(); }
 };
 
-void expand_pairs(const Act& a, int64_t M, int64_t K, PairAct& e) {
+void size_pairs(int64_t M, int64_t K, PairAct& e) {
   e.ld = K / 4;
-  e.bytes.reset(new uint8_t[M * e.ld * 32]);
-  __m256i* out = reinterpret_cast<__m256i*>(e.bytes.get());
+  if (static_cast<int64_t>(e.bytes.size()) < M * e.ld) e.bytes.resize(M * e.ld);
+}
+
+// Rows [m0, m1) of the activations expanded into e (sized by `size_pairs`).
+void expand_pairs(const Act& a, int64_t m0, int64_t m1, PairAct& e) {
+  __m256i* out = e.bytes.data();
   const __m256i order = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3,
                                          1, 3, 1, 3, 1, 3);
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = m0; m < m1; ++m)
     for (int64_t i = 0; i < e.ld; ++i) {
       int32_t t;
       memcpy(&t, a.q.data() + m * a.ldq + 4 * i, 4);
@@ -799,13 +802,11 @@ void pair_tile(const Act& a, const PairAct& e, int64_t m0, int64_t K, const uint
   for (int r = 0; r < R; ++r) store(y + r * ldy, acc[r], cols, bias, accumulate);
 }
 
+// Run by every thread of the enclosing parallel region (they split the panels), e expanded from a.
 template <int F>
-void linear_pairs(const Act& a, int64_t M, int64_t K, const uint8_t* packed, int64_t N, const float* bias, float* y,
-                  bool acc) {
-  PairAct e;
-  expand_pairs(a, M, K, e);
+void linear_pairs(const Act& a, const PairAct& e, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                  const float* bias, float* y, bool acc) {
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
-#pragma omp parallel
   each_tile(M, N, kTile, [&](int r, int64_t m, int64_t p, int cols) {
     const uint8_t* w = packed + p * pbytes;
     const float* b = bias ? bias + p * kCols : nullptr;
@@ -983,10 +984,16 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
   if ((norm || gated) && static_cast<int64_t>(buf.size()) < M * K) buf.resize(M * K);
   float* const in = buf.data();
   const int64_t step = input_step(M, omp_get_max_threads()), ranges = (M + step - 1) / step;
-  auto inputs = [&](bool offset8) {
+  // each thread's share of the rows: in(x), quantized (and, for the pairs below, expanded by the same thread)
+  auto inputs = [&](bool offset8, PairAct* e = nullptr) {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < ranges; ++i)
-      input_rows<F>(x, i * step, (i + 1) * step < M ? (i + 1) * step : M, K, norm, eps, gated, in, a, offset8);
+    for (int64_t i = 0; i < ranges; ++i) {
+      const int64_t m0 = i * step, m1 = (i + 1) * step < M ? (i + 1) * step : M;
+      input_rows<F>(x, m0, m1, K, norm, eps, gated, in, a, offset8);
+#if GOOSE_MADDUBS
+      if (e) expand_pairs(a, m0, m1, *e);
+#endif
+    }
   };
 #if GOOSE_AMX
   if (M >= kAmxRows) {
@@ -997,13 +1004,22 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
   }
 #endif
 #if GOOSE_MADDUBS
-  if (M >= panel_rows<F>() || nibbles(F)) {
+  if (M >= panel_rows<F>()) {
 #pragma omp parallel
     inputs(kOffsetQ8);
-    if (M >= panel_rows<F>())
-      linear_panels<F>(a, M, K, packed, N, bias, y, acc);
-    else if constexpr (nibbles(F))
-      linear_pairs<F>(a, M, K, packed, N, bias, y, acc);
+    linear_panels<F>(a, M, K, packed, N, bias, y, acc);
+    return;
+  }
+  if constexpr (nibbles(F)) {  // (the region reaches a and e only through the lambda made here; see `mine`)
+    thread_local PairAct pairs;  // the calling thread's, reused across calls (as `mine`)
+    PairAct& e = pairs;
+    size_pairs(M, K, e);
+    auto run = [&] {
+      inputs(kOffsetQ8, &e);
+      linear_pairs<F>(a, e, M, K, packed, N, bias, y, acc);
+    };
+#pragma omp parallel
+    run();
     return;
   }
 #endif
