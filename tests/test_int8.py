@@ -227,8 +227,8 @@ def test_activation_quantization_matches_numpy(variant):
 def test_linear_equals_numpy_reference_bit_for_bit(variant, fmt):
     kern = int8.kernels(variant)
     odd = 288 if quant.FORMATS[fmt][1] == 32 else 768  # 288: 9 groups, an odd count (the AMX loop runs pairs)
-    for n, k, m in ((37, 512, 1), (48, 256, 9), (16, 768, 3), (40, odd, 13), (33, 512, 16), (40, odd, 21),
-                    (24, odd, 37)):
+    for n, k, m in ((37, 512, 1), (48, 256, 9), (16, 768, 3), (40, odd, 7), (40, odd, 13), (33, 512, 16),
+                    (40, odd, 21), (24, odd, 37)):
         raw, w = weight(fmt, n, k)
         x = _x(m, k, n + m)
         y = kern.linear(x, w, n)
@@ -264,7 +264,7 @@ def test_largest_integer_sums_are_exact(fmt):
     x[1::2] = -1  # q = 127 and q = -127 in every block
     x[2, :] = torch.linspace(-1, 1, k)
     for v in VARIANTS:
-        for m in (1, 8, 40):
+        for m in (1, 7, 8, 40):  # (AVX2, nibble formats: 1 and 7 rows as pairs, 4 + 3; 8 and 40 as panels)
             y = int8.kernels(v).linear(x[:m], w, n)
             assert torch.equal(bits(y), bits(torch.from_numpy(linear_ref(fmt, raw, x[:m].numpy())))), (v, m)
 

@@ -565,11 +565,13 @@ void each_tile(int64_t M, int64_t N, int tile, const Run& run) {
 // output has the float chain described at the top: the bits of `tile`.
 constexpr int kPanelTile = 4;
 
-// The fewest rows for which unpacking a panel once pays (measured on Zen 3 with benchmarks/int8_cost.py's
-// shapes): Q8_0's unpacked operands (|w| and w: 1 KB per group) cost more to store than its rows gain below 32.
+// The fewest rows for which unpacking a panel once pays (measured on Zen 3: whole int8 forwards, the weights
+// streaming from memory, for the nibble formats (the pairs ran 6 and 7 rows 1.05-1.07x as fast, 8 rows even);
+// benchmarks/int8_cost.py's shapes for Q8_0, whose unpacked operands (|w| and w: 1 KB per group) cost more to
+// store than its rows gain below 32).
 template <int F>
 constexpr int panel_rows() {
-  return F == kQ8_0 ? 32 : 6;
+  return F == kQ8_0 ? 32 : 8;
 }
 
 // ymm operands per group (both halves)
@@ -730,19 +732,19 @@ void linear_panels(const Act& a, int64_t M, int64_t K, const uint8_t* packed, in
 // (x[0], x[2]) 8 times, then (x[1], x[3]) 8 times), so vpmaddubsw reads it from memory. A lane sums 16 products
 // of at most 15 * 127 per group in int16 (30480), then the two 128-bit halves, widened, are added per column.
 struct PairAct {
-  std::vector<__m256i> bytes;  // [row][K / 4] operands (grown as needed; all a call reads is written first)
+  std::vector<uint8_t> bytes;  // [row][K / 4] operands of 32 bytes (grown as needed; all a call reads is written first)
   int64_t ld = 0;              // operands per row
-  const __m256i* x() const { return bytes.data(); }
+  const __m256i* x() const { return reinterpret_cast<const __m256i*>(bytes.data()); }
 };
 
 void size_pairs(int64_t M, int64_t K, PairAct& e) {
   e.ld = K / 4;
-  if (static_cast<int64_t>(e.bytes.size()) < M * e.ld) e.bytes.resize(M * e.ld);
+  if (static_cast<int64_t>(e.bytes.size()) < M * e.ld * 32) e.bytes.resize(M * e.ld * 32);
 }
 
 // Rows [m0, m1) of the activations expanded into e (sized by `size_pairs`).
 void expand_pairs(const Act& a, int64_t m0, int64_t m1, PairAct& e) {
-  __m256i* out = e.bytes.data();
+  __m256i* out = reinterpret_cast<__m256i*>(e.bytes.data());
   const __m256i order = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3,
                                          1, 3, 1, 3, 1, 3);
   for (int64_t m = m0; m < m1; ++m)
