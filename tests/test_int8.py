@@ -5,6 +5,7 @@ bits whatever rows, tiles and threads it is computed with, and a CPU without VNN
 from __future__ import annotations
 
 import functools
+import subprocess
 
 import numpy as np
 import pytest
@@ -489,3 +490,18 @@ def test_packaged_smollm2_int8_every_method_equals_ar_in_int8(monkeypatch):
         again = eng.generate(prompts[0], 40, method="goose")  # after the others stored their prefixes
     assert [r.token_ids for r in results] == [w for w in wants for _ in range(2)]
     assert again.token_ids == wants[0] and again.stats.cached_tokens > 0
+
+
+_SOURCES = [(int8.SOURCE, int8.BASE_FLAGS, v, int8.VARIANTS[v][0]) for v in int8.ORDER] + [
+    (src, cpukernel.BASE_FLAGS, v, cpukernel.VARIANTS[v][0]) for src in (cpukernel.SOURCE, quant.SOURCE)
+    for v in cpukernel.ORDER]
+
+
+@pytest.mark.skipif(cpukernel._compiler() is None, reason="no C++ compiler")
+@pytest.mark.parametrize("source,base,variant,flags", _SOURCES, ids=[f"{s.stem}-{v}" for s, _, v, _ in _SOURCES])
+def test_every_kernel_variant_compiles_on_any_machine(source, base, variant, flags):
+    """Each variant's source is compiled where the CPU cannot run it too (syntax and types only): a change made and
+    tested on one kind of CPU must not leave another kind's build broken (it would fall back to a slower one)."""
+    out = subprocess.run([cpukernel._compiler(), *base, *flags, "-fsyntax-only", str(source)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, f"{source.name} ({variant}) does not compile:\n{out.stderr[-3000:]}"

@@ -205,6 +205,8 @@ struct Act {
                              // cache lines: the threads that quantize rows write no line another thread writes)
 };
 
+struct PairAct;  // the pairs path's expanded activations (plain AVX2 builds only; see linear_pairs)
+
 // One block of 32 activations (max of |x| is exact in any order; x * id and the conversion, rounding half to
 // even, are per lane): its scale d returned, its 32 bytes to `out` in the kernel's order (`nibble`:
 // each 8 values as the 4 even then the 4 odd ones), the sums of both halves in s[2].
