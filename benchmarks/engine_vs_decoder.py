@@ -65,8 +65,7 @@ def main() -> None:
             same += a == b
     rate = {k: tokens[k] / times[k] for k in times}
     print(f"CPU: {cpu_name()}, {args.threads} threads, {args.model}, {args.method}, arith {args.arith}, "
-          f"{len(prompts)} prompts x "
-          f"{args.max_new_tokens} tokens")
+          f"{len(prompts)} prompts x {args.max_new_tokens} tokens")
     print(f"Decoder {rate['decoder']:.1f} tok/s, Engine(max_batch=1) {rate['engine']:.1f} tok/s, "
           f"ratio {rate['engine'] / rate['decoder']:.3f}; identical {same}/{len(prompts)}")
     for k in times:
