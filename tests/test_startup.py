@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from goose.backends import cpukernel, quant
+from goose.backends.lean import LeanForward
 from goose.engine import measure as costmodel
 from goose.loading import gguf as gguf_file
 from goose.loading import gguf_folder
@@ -210,6 +211,29 @@ def test_disturbed_measurement_is_bounded_and_never_cached(tmp_path, budget, cap
     tries = 1 if budget < 5 else costmodel.MEASURE_TRIES  # no second try once the budget is spent
     passes = 1 + (costmodel.MIN_REPEATS if budget < 5 else costmodel.REPEATS)
     assert _grid_passes(fwd) == tries * passes
+
+
+def test_a_starved_measurement_is_used_but_never_cached(tmp_path, capsys):
+    """Forwards that read their weights far slower than memory allows (another process's threads spinning on the
+    same cores: every size costs the same long wait) give a flat curve that is not kept for later runs."""
+    clock = FakeClock()
+    fwd = FakeForward(clock, ms=lambda n: 2000.0 + n)  # 2 s per forward, whatever its size
+    fwd.weight_bytes = 100e6  # 100 MB in 2 s: 0.05 GB/s
+    path = tmp_path / "c.json"
+    curve = costmodel.load_or_measure(FakeModel(), fwd, path=path, clock=clock)
+    assert costmodel.starved(fwd, curve) == pytest.approx(0.05, rel=0.01) and not path.exists()
+    assert "100 MB of weights at 0.050 GB/s" in capsys.readouterr().err
+    fwd.ms = lambda n: 250.0 + n  # the same weights at 0.4 GB/s: slow, but a machine's real speed
+    assert costmodel.starved(fwd, costmodel.load_or_measure(FakeModel(), fwd, path=path, clock=clock)) is None
+    assert path.is_file()
+
+
+def test_the_lean_forward_counts_the_weights_each_forward_reads(tiny_model):
+    fwd = LeanForward(tiny_model)
+    linears = [m for m in tiny_model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    weights = sum(m.weight.numel() for m in linears) + tiny_model.lm_head.weight.numel()
+    size = tiny_model.lm_head.weight.element_size()
+    assert weights * size <= fwd.weight_bytes <= weights * size * 1.5  # (goose's panels pad to 16 columns)
 
 
 @needs_quant

@@ -263,6 +263,12 @@ class _Linear:
         y = self._mul(x)
         return y if out is None else out.add_(y)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight as held here (the largest of its held forms; a forward reads one of them whole)."""
+        held = [t.data if isinstance(t, PackedWeight) else t for t in (self.packed, self.wt, self.weight)]
+        return max((t.numel() * t.element_size() for t in held if t is not None), default=0)
+
     def op(self):
         """This projection as a step of goose's layer plan (`CpuKernels.layer_plan`), or None (PyTorch's kernels)."""
         return None if self.kernel is None else self.kernel.op(self.packed, self.out, self.bias)
@@ -420,6 +426,12 @@ class LeanForward(Forward):
     def new_cache(self) -> "LeanCache":
         """A KV cache of its own for one sequence (one per request: nothing is shared between caches)."""
         return LeanCache(len(self.layers), self.n_kv, self.head_dim, self.kv_dtype, self.device)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights every forward reads whole: each layer's projections and the output head (a cost
+        measurement whose smallest forward reads them implausibly slowly is not cached: `measure.starved`)."""
+        return sum(lin.nbytes for L in self.layers for lin in (L.qkv, L.o, L.gate_up, L.down)) + self.lm_head.nbytes
 
     def stale(self) -> bool:
         """True when the model's weights changed since they were packed here (an optimizer step,

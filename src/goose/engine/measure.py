@@ -35,9 +35,14 @@ MIN_REPEATS = 2  # timed passes kept even when the time budget is spent (two giv
 MAX_SPREAD = 1.5  # a measurement whose passes differ more (median over sizes) was disturbed: not cached
 MEASURE_TRIES = 2  # measurements tried before a disturbed one is used uncached
 MEASURE_BUDGET_S = 10.0  # wall seconds for all tries of one curve: past it, passes and tries stop at their minimum
+# A forward of the curve's smallest size reads every weight once. Reading them slower than this means the forward's
+# threads were starved, e.g. by another process's OpenMP team spinning on the same cores: each forward then waits
+# for the scheduler, whatever its size, and the curve comes out flat (every size costing the same), which would
+# make the selector verify large trees for good. Real memory reads run 50-100x faster on any machine goose targets.
+STARVED_GBPS = 0.2
 CONTEXT_ROWS = 8  # rows of the tree timed on a short and a long cache to price a row's cached context
 CONTEXT_FACTOR = 2  # the long cache holds this many times `cache_len` tokens (4x measured the same beta here)
-PROTOCOL = 4  # bumped when the measurement changes, so cached curves are measured again
+PROTOCOL = 5  # bumped when the measurement changes, so cached curves are measured again
 
 
 _KERNEL_SOURCES = ("cpu_kernels.cpp", "quant_kernels.cpp", "int8_kernels.cpp")
@@ -156,6 +161,17 @@ def _spread(samples: list[float]) -> float:
     return s[-1 - k] / s[k]
 
 
+def starved(forward, curve: CostCurve) -> float | None:
+    """The GB/s at which the curve's smallest forward read the forward's weights (``forward.weight_bytes``), when
+    that is below STARVED_GBPS (its threads were starved: see there); None otherwise, or when the forward does
+    not say how many bytes its weights hold."""
+    nbytes = getattr(forward, "weight_bytes", None)
+    if not nbytes or not curve.ms:
+        return None
+    gbps = nbytes / (curve.ms[0] * 1e6)
+    return gbps if gbps < STARVED_GBPS else None
+
+
 def _read_curve(path: Path) -> CostCurve | None:
     """The curve stored at `path`, or None when it is missing or not a valid curve (then it is measured
     again and replaced)."""
@@ -174,9 +190,10 @@ def load_or_measure(model, forward, remeasure: bool = False, path: Path | None =
 
     Measuring holds a lock on the curve's file (`cachefs.lock`), so concurrent processes measure once, not
     at the same time on the same cores, and the file is replaced atomically (a killed measurement leaves
-    the old curve or none, never a torn one). A measurement whose passes varied more than MAX_SPREAD is
-    tried again (at most MEASURE_TRIES in all, none started after `budget_s` seconds) and, if it stays
-    disturbed, used for this run without being cached."""
+    the old curve or none, never a torn one). A measurement whose passes varied more than MAX_SPREAD, or whose
+    forwards read the weights slower than STARVED_GBPS (`starved`), is tried again (at most MEASURE_TRIES in
+    all, none started after `budget_s` seconds) and, if it stays disturbed, used for this run without being
+    cached."""
     vocab = model.get_output_embeddings().weight.shape[0]
     suffix = "" if sequences == 1 else f"-x{sequences}"
     path = path or cache_root() / "cost" / f"{curve_key(model, forward)}{suffix}.json"
@@ -196,11 +213,16 @@ def load_or_measure(model, forward, remeasure: bool = False, path: Path | None =
             if attempt and clock() > deadline:
                 break
             curve = measure(forward, vocab, sequences=sequences, deadline=deadline, clock=clock)
-            if curve.spread <= MAX_SPREAD:
+            slow = starved(forward, curve)
+            if curve.spread <= MAX_SPREAD and slow is None:
                 cachefs.write_text(path, json.dumps(curve.to_json()))
                 return curve
-    print(f"goose: the forward's timings varied {curve.spread:.1f}x between passes (is the machine busy?); "
-          f"this cost curve is used now but not cached", file=sys.stderr)
+    if slow is not None:
+        why = (f"a forward read its {forward.weight_bytes / 1e6:.0f} MB of weights at {slow:.3f} GB/s (are other "
+               f"processes' threads on these cores?)")
+    else:
+        why = f"the forward's timings varied {curve.spread:.1f}x between passes (is the machine busy?)"
+    print(f"goose: {why}; this cost curve is used now but not cached", file=sys.stderr)
     return curve
 
 
