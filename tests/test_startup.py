@@ -226,6 +226,9 @@ def test_a_starved_measurement_is_used_but_never_cached(tmp_path, capsys):
     fwd.ms = lambda n: 250.0 + n  # the same weights at 0.4 GB/s: slow, but a machine's real speed
     assert costmodel.starved(fwd, costmodel.load_or_measure(FakeModel(), fwd, path=path, clock=clock)) is None
     assert path.is_file()
+    fwd.weight_bytes = 1e5  # a tiny model: its forward's time is fixed work, not reading 0.1 MB
+    assert costmodel.starved(fwd, CostCurve((1, 2), (costmodel.STARVED_MS, 60.0))) is None
+    assert costmodel.starved(fwd, CostCurve((1, 2), (costmodel.STARVED_MS + 1.0, 60.0))) == pytest.approx(1e5 / 51e6)
 
 
 def test_the_lean_forward_counts_the_weights_each_forward_reads(tiny_model):

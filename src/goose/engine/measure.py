@@ -38,8 +38,10 @@ MEASURE_BUDGET_S = 10.0  # wall seconds for all tries of one curve: past it, pas
 # A forward of the curve's smallest size reads every weight once. Reading them slower than this means the forward's
 # threads were starved, e.g. by another process's OpenMP team spinning on the same cores: each forward then waits
 # for the scheduler, whatever its size, and the curve comes out flat (every size costing the same), which would
-# make the selector verify large trees for good. Real memory reads run 50-100x faster on any machine goose targets.
+# make the selector verify large trees for good. Real memory reads run 50-100x faster on any machine goose targets;
+# STARVED_MS more allow for a forward's fixed work (the interpreter, kernel launches), all of a tiny model's time.
 STARVED_GBPS = 0.2
+STARVED_MS = 50.0
 CONTEXT_ROWS = 8  # rows of the tree timed on a short and a long cache to price a row's cached context
 CONTEXT_FACTOR = 2  # the long cache holds this many times `cache_len` tokens (4x measured the same beta here)
 PROTOCOL = 5  # bumped when the measurement changes, so cached curves are measured again
@@ -163,13 +165,12 @@ def _spread(samples: list[float]) -> float:
 
 def starved(forward, curve: CostCurve) -> float | None:
     """The GB/s at which the curve's smallest forward read the forward's weights (``forward.weight_bytes``), when
-    that is below STARVED_GBPS (its threads were starved: see there); None otherwise, or when the forward does
-    not say how many bytes its weights hold."""
+    it took longer than STARVED_MS plus reading them at STARVED_GBPS (its threads were starved: see there); None
+    otherwise, or when the forward does not say how many bytes its weights hold."""
     nbytes = getattr(forward, "weight_bytes", None)
-    if not nbytes or not curve.ms:
+    if not nbytes or not curve.ms or curve.ms[0] <= STARVED_MS + nbytes / (STARVED_GBPS * 1e6):
         return None
-    gbps = nbytes / (curve.ms[0] * 1e6)
-    return gbps if gbps < STARVED_GBPS else None
+    return nbytes / (curve.ms[0] * 1e6)
 
 
 def _read_curve(path: Path) -> CostCurve | None:
