@@ -192,7 +192,7 @@ def load_or_measure(model, forward, remeasure: bool = False, path: Path | None =
     Measuring holds a lock on the curve's file (`cachefs.lock`), so concurrent processes measure once, not
     at the same time on the same cores, and the file is replaced atomically (a killed measurement leaves
     the old curve or none, never a torn one). A measurement whose passes varied more than MAX_SPREAD, or whose
-    forwards read the weights slower than STARVED_GBPS (`starved`), is tried again (at most MEASURE_TRIES in
+    forward's threads were starved (`starved`), is tried again (at most MEASURE_TRIES in
     all, none started after `budget_s` seconds) and, if it stays disturbed, used for this run without being
     cached."""
     vocab = model.get_output_embeddings().weight.shape[0]
