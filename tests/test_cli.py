@@ -351,3 +351,26 @@ def test_light_parser_builds_the_chosen_command_in_full(capsys):
     assert _modules_for(["generate", "bench"]) == set()  # a prompt that happens to be a command's name
     code, out, _ = run(["demo", "--help"], capsys)
     assert code == 0 and "--limit" in out and "12 questions" in out
+
+
+def test_a_closed_stdout_ends_quietly(tiny_dir):
+    """`goose generate ... | head -c 10`: the reader is gone before goose prints; no traceback, status 141."""
+    proc = subprocess.Popen([sys.executable, "-m", "goose", "generate", "--model", str(tiny_dir), "--max-new-tokens",
+                             "4", "--json", "hello"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # nobody reads: goose's first write fails with EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, err
+    assert "Traceback" not in err
+
+
+def test_no_text_without_chat_names_the_chat_flag(capsys):
+    """The packaged instruct model ends at once on this raw prompt; goose says --chat may be what is missing, and
+    says nothing when --chat is given."""
+    argv = ["generate", "--max-new-tokens", "8", "Tell me a story."]
+    code, out, err = run(argv, capsys)
+    assert code == 0 and out.strip() == ""
+    assert "--chat" in err
+    code, out, err = run(argv + ["--stream"], capsys)
+    assert code == 0 and out.strip() == "" and "--chat" in err
+    code, out, err = run(argv + ["--chat"], capsys)
+    assert code == 0 and out.strip() and "--chat" not in err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -76,11 +77,15 @@ def cmd_generate(args) -> int:
     dec = Decoder(model, tok, args.method)
     ids = dec.encode(prompt, chat=args.chat)
     if args.stream:
+        text = []
         for piece in dec.stream(ids, args.max_new_tokens, **options):
             print(piece, end="", flush=True)
+            text.append(piece)
         print()
+        _hint_if_empty("".join(text), tok, args)
         return 0
     res = dec.generate(ids, args.max_new_tokens, **options)
+    _hint_if_empty(res.text, tok, args)
     payload = res.to_dict()
     if args.verify:
         ref = Decoder(model, tok, "ar").generate(ids, args.max_new_tokens, **options).token_ids
@@ -100,6 +105,14 @@ def cmd_generate(args) -> int:
                   f"{mm['ar_token']}; logits {mm.get('logit')} vs {mm.get('ar_logit')})", file=sys.stderr)
             return 1
     return 0
+
+
+def _hint_if_empty(text: str, tok, args) -> None:
+    """One line on stderr when a prompt without --chat gave no text and the tokenizer has a chat template: an
+    instruct model given raw text often ends at once (SmolLM2-135M-Instruct does on "Tell me a story.")."""
+    if not text.strip() and not args.chat and getattr(tok, "chat_template", None):
+        print("goose: the model gave no text: it ended at once. This tokenizer has a chat template; an instruct "
+              "model usually needs --chat", file=sys.stderr)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -256,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("goose: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout's reader went away (`goose generate ... | head -c 100`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot raise again
+        return 141  # as a shell reports a process killed by SIGPIPE
 
 
 if __name__ == "__main__":
