@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from conftest import make_tiny_llama
 from goose.backends import cpukernel, quant
 from goose.backends.lean import LeanForward
 from goose.engine import measure as costmodel
@@ -417,3 +418,17 @@ def test_an_unreadable_gguf_is_one_error_without_a_fallback(tmp_path, fresh_cach
     err = capsys.readouterr().err
     assert "using float32 weights" not in err and "dequantizing" not in err
     assert not (tmp_path / "cache" / "goose" / "models" / gguf_folder.BLOCKS_DIR / "broken").exists()
+
+
+def test_the_cost_curve_key_tells_cpus_apart(monkeypatch):
+    """A cache directory shared by two machines (a home on NFS) keeps a curve per CPU: one measured on another
+    CPU is never read."""
+    from goose.machine import cpu_identity
+
+    assert "family=" in cpu_identity() and "cpus=" in cpu_identity()
+    model = make_tiny_llama()
+    forward = LeanForward(model)
+    here = costmodel.curve_key(model, forward)
+    assert costmodel.curve_key(model, forward) == here
+    monkeypatch.setattr(costmodel, "cpu_identity", lambda: "Another CPU family=6 model=143 stepping=8 cpus=2")
+    assert costmodel.curve_key(model, forward) != here

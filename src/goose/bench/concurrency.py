@@ -12,7 +12,6 @@ Written to ``OUT/concurrency.json`` and ``OUT/concurrency.md``.
 from __future__ import annotations
 
 import json
-import platform
 import random
 import sys
 import time
@@ -22,6 +21,7 @@ from .. import cachefs
 from ..config import DEFAULT_PREFIX_CACHE_MB, DecodeConfig
 from ..decoding import Decoder, encode
 from ..engine.scheduler import Engine
+from ..machine import cpu_name
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -33,17 +33,6 @@ def percentile(xs: list[float], p: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_method(model, tok, method: str, prompts: list[list[int]], max_new: int, concurrency: int,

@@ -14,14 +14,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 from .. import cachefs
 from ..errors import GooseError
+from ..machine import cpu_name
 from .report import fmt
 from .summary import ALL
 
@@ -40,24 +39,6 @@ MEANING = {
     "hf-ar": "Hugging Face `generate` (greedy), float32 `nn.Linear`",
     "hf-pld": "Hugging Face `generate` with `prompt_lookup_num_tokens=10`",
 }
-
-
-def cpu_name() -> str:
-    """The CPU's model name from `lscpu` (or /proc/cpuinfo), else what `platform` knows."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.strip().lower().startswith("model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def load_line(before: tuple | None, after: tuple | None) -> str:

@@ -1,0 +1,53 @@
+"""What machine goose runs on: the CPU's name (for reports) and its identity (for caches of measurements)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return fields
+    for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip().lower(), value.strip())
+    return fields
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_name() -> str:
+    """The CPU's model name from `lscpu` (or /proc/cpuinfo), else what `platform` knows."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.strip().lower().startswith("model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return _cpuinfo_fields().get("model name") or platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_identity() -> str:
+    """The CPU as a cached measurement depends on it: model name, family, model and stepping (a VM's model name
+    alone, e.g. "AMD EPYC", covers several generations), and the CPUs this process may run on."""
+    f = _cpuinfo_fields()
+    parts = [f.get("model name") or platform.processor() or platform.machine(), f"family={f.get('cpu family', '?')}",
+             f"model={f.get('model', '?')}", f"stepping={f.get('stepping', '?')}"]
+    try:
+        parts.append(f"cpus={len(os.sched_getaffinity(0))}")
+    except (AttributeError, OSError):
+        parts.append(f"cpus={os.cpu_count()}")
+    return " ".join(parts)
