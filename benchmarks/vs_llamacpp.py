@@ -132,9 +132,9 @@ def main() -> None:
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from goose.bench import datasets  # noqa: PLC0415
-    from goose.bench.vllm_engine import cpu_model  # noqa: PLC0415
     from goose.decoding import encode  # noqa: PLC0415
     from goose.loading.model import gguf_source, model_dir  # noqa: PLC0415
+    from goose.machine import cpu_name  # noqa: PLC0415
 
     gguf = gguf_source(args.model)
     if gguf is None:
@@ -159,7 +159,7 @@ def main() -> None:
         results[name] = json.loads(line[len("RESULT "):])
     same = lambda a, b: sum(x["tokens"] == y["tokens"] for x, y in zip(results[a]["rows"], results[b]["rows"]))  # noqa: E731
     n = len(prompts)
-    lines = [f"CPU: {cpu_model()}, {args.threads} threads; {gguf.name}; {n} prompts (chat template), greedy, "
+    lines = [f"CPU: {cpu_name()}, {args.threads} threads; {gguf.name}; {n} prompts (chat template), greedy, "
              f"{args.max_new_tokens} new tokens each (end-of-sequence ignored)", "",
              "| engine | decode tok/s | end-to-end tok/s | TTFT median ms | peak RSS MB | equals its plain decoding "
              "| equals llama.cpp plain |", "|---|---|---|---|---|---|---|"]

@@ -33,8 +33,9 @@ import urllib.request
 from pathlib import Path
 
 from goose.bench import datasets
-from goose.bench.vllm_engine import SPEC_CONFIGS, TCMALLOC, cpu_model
+from goose.bench.vllm_engine import SPEC_CONFIGS, TCMALLOC
 from goose.loading.model import model_dir
+from goose.machine import cpu_name
 from goose.server.bench import bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,7 +179,7 @@ def main() -> None:
     for name in args.servers.split(","):
         results[name] = run_server(name, args, prompts, concurrencies, out)
         print(results[name]["table"], file=sys.stderr, flush=True)
-    meta = {"cpu": cpu_model(), "threads": args.threads, "prompts": len(prompts), "max_tokens": args.max_tokens,
+    meta = {"cpu": cpu_name(), "threads": args.threads, "prompts": len(prompts), "max_tokens": args.max_tokens,
             "max_batch": args.max_batch, "servers": args.servers}
     (out / "vs_vllm_serve.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     md = report(results, concurrencies, meta)

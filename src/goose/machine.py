@@ -1,4 +1,5 @@
-"""What machine goose runs on: the CPU's name (for reports) and its identity (for caches of measurements)."""
+"""What machine goose runs on: the CPU's name (for reports), its feature flags (for the kernel variants) and its
+identity (for caches of measurements)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import subprocess
 from pathlib import Path
 
 
+@functools.lru_cache(maxsize=1)
 def _cpuinfo_fields() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    """The first processor's fields of /proc/cpuinfo (empty where there is none; read once per process)."""
     fields: dict[str, str] = {}
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -24,6 +26,11 @@ def _cpuinfo_fields() -> dict[str, str]:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip().lower(), value.strip())
     return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo's `flags`; empty where there is none)."""
+    return frozenset(_cpuinfo_fields().get("flags", "").split())
 
 
 @functools.lru_cache(maxsize=1)

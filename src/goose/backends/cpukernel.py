@@ -36,7 +36,6 @@ kernels; results are the same up to float32 rounding.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import math
 import operator
@@ -52,6 +51,7 @@ import numpy as np
 import torch
 
 from .. import cachefs
+from ..machine import cpu_flags
 from ..paths import cache_root
 from ..progress import note
 
@@ -72,21 +72,9 @@ ENV_VARIANT = "GOOSE_KERNEL_VARIANT"
 _state: dict[str, object] = {}
 
 
-@functools.lru_cache(maxsize=None)
 def _cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (read once per process)."""
-    return frozenset(_read_cpu_flags())
-
-
-def _read_cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """The CPU's feature flags (tests replace this function to force a variant's fallback)."""
+    return cpu_flags()
 
 
 def runnable_variants() -> list[str]:

