@@ -25,9 +25,9 @@ import torch
 
 from goose import Engine, EngineConfig, load_model
 from goose.bench import datasets
-from goose.bench.concurrency import cpu_name
 from goose.config import GooseConfig
 from goose.decoding import encode
+from goose.machine import cpu_name
 
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 

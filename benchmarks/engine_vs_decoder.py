@@ -19,7 +19,7 @@ import torch
 
 from goose import Decoder, Engine, load_model
 from goose.bench import datasets
-from goose.bench.concurrency import cpu_name
+from goose.machine import cpu_name
 
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 

@@ -15,8 +15,8 @@ import torch
 
 from goose.backends import packed, quant
 from goose.backends.lean import LeanForward
-from goose.bench.concurrency import cpu_name
 from goose.loading.model import load_model
+from goose.machine import cpu_name
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from goose import load_model
 from goose.bench import datasets
-from goose.bench.concurrency import cpu_name
 from goose.decoding import Decoder, encode_chat
+from goose.machine import cpu_name
 
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 

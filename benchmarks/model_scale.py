@@ -65,9 +65,9 @@ from goose.backends import quant
 from goose.backends.lean import ARITHS, LeanForward
 from goose.backends.packed import PackedEmbedding, PackedLinear
 from goose.backends.quant import QuantKernels
-from goose.bench.concurrency import cpu_name
 from goose.engine import measure as costmodel
 from goose.errors import GooseError
+from goose.machine import cpu_name
 from goose.selection.costmodel import CostCurve
 
 

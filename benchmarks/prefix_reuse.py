@@ -20,8 +20,9 @@ import torch
 
 from goose import Engine, load_model
 from goose.bench import datasets
-from goose.bench.concurrency import cpu_name, percentile
+from goose.bench.concurrency import percentile
 from goose.decoding import encode_chat
+from goose.machine import cpu_name
 
 SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 

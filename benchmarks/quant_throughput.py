@@ -17,7 +17,7 @@ import torch
 from model_scale import BUILD_FORMATS, random_rows  # benchmarks/model_scale.py: random blocks of a format
 
 from goose.backends import quant
-from goose.bench.concurrency import cpu_name
+from goose.machine import cpu_name
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 

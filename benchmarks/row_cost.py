@@ -16,9 +16,9 @@ import time
 import torch
 
 from goose.backends.lean import LeanForward
-from goose.bench.concurrency import cpu_name
 from goose.engine.measure import bushy_tree, prefilled_caches, tree_segment
 from goose.loading.model import load_model
+from goose.machine import cpu_name
 
 LAYOUTS = ((1, 1, 1, 1), (3, 1, 1, 1), (5, 1, 1, 1), (2, 2, 2, 2), (1,) * 8, (4,) + (1,) * 7, (2,) * 8)
 
