@@ -21,7 +21,7 @@ from conftest import TINY_VOCAB, greedy_memo, make_tiny_llama
 from goose import Engine
 from goose.config import EngineConfig, MemoryConfig
 from goose.decoding import Decoder
-from goose.drafting.memory import ENTRY_BYTES, SEQUENCE_BYTES, TOKEN_BYTES, MemoryPool, SuffixMemory
+from goose.drafting.memory import ENTRY_BYTES, SEQUENCE_BYTES, TENANT_BYTES, TOKEN_BYTES, MemoryPool, SuffixMemory
 from goose.drafting.tree import MEMORY, DraftTree
 from goose.errors import GooseError
 from goose.selection.acceptance import AcceptanceModel, memory_rank
@@ -257,3 +257,76 @@ def test_concurrent_tenants_with_evictions_mid_request_equal_greedy(model):
                 assert r.result(timeout=300).token_ids == greedy_memo(model, p, n)
         assert eng.memories.nbytes <= eng.memories.max_bytes
         assert eng.memories.evicted > 0  # the budget held a few sequences of the three tenants' twelve
+
+
+# ---- bounded tenants -----------------------------------------------------------------------------------
+def test_a_tenant_holds_bytes_only_once_it_has_text_and_none_once_emptied():
+    pool = MemoryPool(50_000)
+    assert pool.get("reader") is None and len(pool) == 0  # reading makes no memory
+    pool.insert("short", [1, 2])  # too short to store: no memory either
+    assert len(pool) == 0 and pool.nbytes == 0
+    for i in range(200):  # every insert by a new tenant: the oldest ones are emptied and dropped
+        pool.insert(f"t{i}", [i, i + 1, i + 2, i + 3, i + 4, i + 5])
+    sizes = pool.tenant_bytes()
+    assert pool.nbytes == sum(sizes.values()) <= pool.max_bytes
+    assert all(b > TENANT_BYTES for b in sizes.values())  # no empty tenant is kept
+    assert pool.dropped == 200 - len(pool) and "t199" in pool and "t0" not in pool
+
+
+def test_tenants_are_capped_least_recently_used_first():
+    pool = MemoryPool(10**9, max_tenants=3)
+    for name in "abc":
+        pool.insert(name, [1, 2, 3, 4, 5])
+    held = pool.get("a")  # a is used again: b is now the least recently used
+    pool.insert("d", [6, 7, 8, 9, 10])
+    assert sorted(pool.tenant_bytes()) == ["a", "c", "d"] and held is pool.get("a")
+    dropped_c = pool.get("c")  # a running request's memory
+    pool.get("a"), pool.get("d")
+    pool.insert("e", [6, 7, 8, 9, 10])  # c goes; a request still holding its memory sees it emptied
+    assert "c" not in pool and len(dropped_c) == 0 and dropped_c.lookup([1, 2, 3]).spine == []
+    assert pool.nbytes == sum(pool.tenant_bytes().values())
+    with pytest.raises(ValueError):
+        MemoryPool(100, max_tenants=0)
+    with pytest.raises(GooseError):
+        EngineConfig(max_tenants=0)
+
+
+def test_an_insert_reads_a_bounded_number_of_tenants(monkeypatch):
+    """A finished request's bookkeeping does not grow with the number of tenants (it used to sum them all)."""
+    pool = MemoryPool(2**30)
+    for i in range(3000):
+        pool.insert(f"t{i}", [i, 1, 2, 3, 4, 5])
+    reads = []
+    real = SuffixMemory.nbytes
+    monkeypatch.setattr(SuffixMemory, "nbytes", property(lambda self: reads.append(1) or real.fget(self)))
+    pool.insert("t5", [9, 9, 9, 9, 9, 9])
+    pool.insert("new", [8, 8, 8, 8, 8, 8])
+    assert len(reads) <= 8
+
+
+def test_tenant_bytes_bound_what_a_tenant_really_holds():
+    """TENANT_BYTES covers the Python objects a tenant adds besides its sequences (measured with tracemalloc)."""
+    import tracemalloc
+
+    pool = MemoryPool(2**30)
+    names = [f"{i:064x}" for i in range(2000)]  # tenants are digests as the server makes them
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for name in names:
+        pool.insert(name, [7, 1, 2, 3])
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    per_tenant = grown / len(names)
+    sequences = pool.nbytes - len(names) * TENANT_BYTES
+    assert per_tenant <= TENANT_BYTES + sequences / len(names)
+
+
+def test_many_tenants_through_admission_stay_within_the_budget():
+    """200,000 distinct tenants, each with one finished request: the pool holds at most max_tenants of them
+    within its byte budget (benchmarks/tenants_rss.py measures a million and the process's resident memory)."""
+    pool = MemoryPool(4 * 2**20)
+    for i in range(200_000):
+        pool.get(f"u{i}")  # admission reads
+        pool.insert(f"u{i}", [i % 1000, 5, 6, 7, 8])
+    assert pool.nbytes == sum(pool.tenant_bytes().values()) <= pool.max_bytes
+    assert len(pool) <= pool.max_tenants and pool.dropped == 200_000 - len(pool)

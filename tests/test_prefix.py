@@ -19,7 +19,7 @@ from goose import Engine, GooseError
 from goose.backends import cpukernel
 from goose.backends.forward import HFForward
 from goose.backends.lean import LeanForward
-from goose.engine.prefix import BLOCK, PrefixCache
+from goose.engine.prefix import BLOCK, NODE_BYTES, PrefixCache
 
 needs_kernel = pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
 
@@ -54,7 +54,7 @@ def test_the_byte_budget_drops_least_recently_used_leaves_first(model32):
     rng = random.Random(2)
     a = [rng.randrange(2, TINY_VOCAB) for _ in range(2 * BLOCK)]
     b = [rng.randrange(2, TINY_VOCAB) for _ in range(2 * BLOCK)]
-    block_bytes = filled_cache(fwd, a).entries(0, BLOCK).numel() * 4
+    block_bytes = filled_cache(fwd, a).entries(0, BLOCK).numel() * 4 + NODE_BYTES
     store = PrefixCache(3 * block_bytes)
     store.store(a, filled_cache(fwd, a))
     store.store(a[:BLOCK] + b[:BLOCK], filled_cache(fwd, a[:BLOCK] + b[:BLOCK]))  # shares a's first block

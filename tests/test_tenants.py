@@ -13,7 +13,7 @@ from conftest import TINY_EOS, TINY_VOCAB, filled_cache, greedy_memo, hf_greedy,
 from goose import Engine
 from goose.backends import cpukernel
 from goose.backends.lean import LeanForward
-from goose.engine.prefix import BLOCK, PrefixCache
+from goose.engine.prefix import BLOCK, NODE_BYTES, PrefixCache
 
 needs_kernel = pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
 
@@ -27,7 +27,7 @@ def model32():
 def test_the_store_finds_only_the_tenants_own_blocks(model32):
     fwd = LeanForward(model32)
     tokens = list(range(2, 2 + 3 * BLOCK))
-    block_bytes = filled_cache(fwd, tokens).entries(0, BLOCK).numel() * 4
+    block_bytes = filled_cache(fwd, tokens).entries(0, BLOCK).numel() * 4 + NODE_BYTES
     store = PrefixCache(6 * block_bytes)
     store.store(tokens, filled_cache(fwd, tokens), tenant="a")
     assert store.attach(tokens + [1], fwd.new_cache(), tenant="b") == 0
@@ -117,3 +117,31 @@ def test_tenants_through_the_api():
             assert ask(user="alice") > 0
     finally:
         eng.close(timeout=10, cancel=True)
+
+
+@needs_kernel
+def test_prefix_tenants_are_capped_and_an_eviction_reads_no_other_block(model32, monkeypatch):
+    fwd = LeanForward(model32)
+    tokens = list(range(2, 2 + 2 * BLOCK))
+    cache = filled_cache(fwd, tokens)
+    store = PrefixCache(2**30, max_tenants=3)
+    for t in "abc":
+        store.store(tokens, cache, tenant=t)
+    assert store.attach(tokens + [1], fwd.new_cache(), tenant="a") == 2 * BLOCK  # b is the least recent now
+    store.store(tokens, cache, tenant="d")
+    assert store.tenants == 3 and len(store) == 6 and store.evicted == 2
+    assert store.attach(tokens + [1], fwd.new_cache(), tenant="b") == 0
+    assert store.attach(tokens + [1], fwd.new_cache(), tenant="c") == 2 * BLOCK
+    # a full cache of many tenants: a store evicts exactly what it needs, looking at no other block
+    block = filled_cache(fwd, tokens).entries(0, BLOCK).numel() * 4 + NODE_BYTES
+    full = PrefixCache(400 * block)
+    for i in range(400):
+        prompt = tokens[:BLOCK] + [2 + i % 7] * BLOCK
+        full.store(prompt, filled_cache(fwd, prompt), tenant=f"t{i}")
+    assert full.bytes <= full.max_bytes and full.tenants == 200
+    seen = []
+    monkeypatch.setattr(PrefixCache, "_remove", lambda self, node, real=PrefixCache._remove: (seen.append(node),
+                                                                                          real(self, node)))
+    full.store(tokens, cache, tenant="new")
+    assert len(seen) == 2 and all(n.tenant == "t200" for n in seen)  # the least recently used tenant's blocks
+    assert full.attach(tokens + [1], fwd.new_cache(), tenant="new") == 2 * BLOCK

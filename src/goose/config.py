@@ -315,6 +315,7 @@ class ProposerConfig:
 
 DEFAULT_PREFIX_CACHE_MB = 256  # Engine(prefix_cache_mb=...), goose serve / bench --prefix-cache-mb
 DEFAULT_MEMORY_MB = 64  # Engine / Decoder(memory_mb=...), goose serve --memory-mb: the cross-request suffix memory
+DEFAULT_MAX_TENANTS = 10_000  # Engine(max_tenants=...), goose serve --max-tenants: per memory pool and prefix cache
 
 
 def _is_int(value) -> bool:
@@ -335,6 +336,8 @@ class EngineConfig:
     prefill_chunk: int | None = None
     prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB
     memory_mb: float = DEFAULT_MEMORY_MB  # MiB for the suffix memories of all tenants together (0: off)
+    # tenants the suffix memory and the prefix cache each keep (the least recently used tenant goes first)
+    max_tenants: int = DEFAULT_MAX_TENANTS
     # a request's candidate tree is built when its best child may bring this many times a row's price:
     # building, pricing and harvesting a tree costs Python time that the cost curve does not price
     worth_margin: float = 1.5
@@ -359,7 +362,7 @@ class EngineConfig:
         check_memory_mb(self.memory_mb)
         if not 0 <= self.worth_margin < float("inf"):
             raise GooseError(f"worth_margin must be >= 0, got {self.worth_margin}")
-        for name in ("worth_rows", "weights_check_steps"):
+        for name in ("worth_rows", "weights_check_steps", "max_tenants"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise GooseError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         if not _is_int(self.tree_room) or self.tree_room < 0:

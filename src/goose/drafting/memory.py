@@ -23,11 +23,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..config import MemoryConfig
+from ..config import DEFAULT_MAX_TENANTS, MemoryConfig
 
 TOKEN_BYTES = 12  # a token (4) and its occurrence link (8)
 ENTRY_BYTES = 104  # one dict entry: slot, hash, key and value objects
 SEQUENCE_BYTES = 232  # per stored sequence: its two arrays' headers and its LRU entry
+TENANT_BYTES = 1024  # per tenant of a MemoryPool: its SuffixMemory's objects, name and the pool's entry
 _SHIFT = 32  # an occurrence's code: sequence id << _SHIFT | position
 
 
@@ -221,13 +222,23 @@ class SuffixMemory:
 
 
 class MemoryPool:
-    """One `SuffixMemory` per tenant under one shared byte budget: when the total is over it, the least
-    recently used tenant's least recently used sequence goes first."""
+    """One `SuffixMemory` per tenant under one shared byte budget and a cap on tenants.
 
-    def __init__(self, max_bytes: int, cfg: MemoryConfig = MemoryConfig()) -> None:
-        self.max_bytes, self.cfg = int(max_bytes), cfg
-        self._tenants: OrderedDict[str, SuffixMemory] = OrderedDict()
+    A tenant's memory is made by its first insert (a request only reads one that exists), and dropped when
+    eviction empties it or when it is the least recently used of `max_tenants`; a dropped memory is cleared,
+    so a running request that still holds it keeps no bytes alive. Each tenant costs `TENANT_BYTES` besides its
+    sequences. The byte total is kept as a running sum, so an insert costs the same with one tenant or a
+    million. When the total is over `max_bytes`, the least recently used tenant's least recently used sequence
+    goes first. Not thread-safe: the engine's step loop owns it."""
+
+    def __init__(self, max_bytes: int, cfg: MemoryConfig = MemoryConfig(), max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
+        if max_tenants < 1:
+            raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
+        self.max_bytes, self.cfg, self.max_tenants = int(max_bytes), cfg, int(max_tenants)
+        self._tenants: OrderedDict[str, SuffixMemory] = OrderedDict()  # least recently used first
+        self._bytes = 0  # every tenant's nbytes + TENANT_BYTES each
         self.evicted = 0  # sequences evicted to keep all tenants within the budget
+        self.dropped = 0  # tenants dropped (emptied by eviction, or the least recently used past max_tenants)
 
     def __len__(self) -> int:
         return len(self._tenants)
@@ -237,35 +248,54 @@ class MemoryPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in self._tenants.values())
+        """Accounted bytes of all tenants (what `max_bytes` bounds)."""
+        return self._bytes
+
+    def tenant_bytes(self) -> dict[str, int]:
+        """Accounted bytes per tenant (a copy; O(tenants): for reports, not for the step loop)."""
+        return {name: mem.nbytes + TENANT_BYTES for name, mem in self._tenants.items()}
 
     def get(self, tenant: str) -> SuffixMemory | None:
-        """`tenant`'s memory (made on first use, marked most recently used); None when the budget is 0."""
-        if self.max_bytes <= 0:
-            return None
+        """`tenant`'s memory, marked most recently used; None when it has none (nothing inserted yet, or
+        dropped) or the budget is 0. Never makes one: a tenant holds bytes only once it has text."""
         mem = self._tenants.get(tenant)
-        if mem is None:
-            mem = self._tenants[tenant] = SuffixMemory(self.max_bytes, self.cfg)
-        self._tenants.move_to_end(tenant)
+        if mem is not None:
+            self._tenants.move_to_end(tenant)
         return mem
 
     def insert(self, tenant: str, tokens: Sequence[int]) -> None:
+        """Store `tokens` in `tenant`'s memory (made now if it has none), then evict to the budget."""
+        if self.max_bytes < TENANT_BYTES or len(tokens) <= self.cfg.min_match:
+            return
         mem = self.get(tenant)
         if mem is None:
-            return
+            while len(self._tenants) >= self.max_tenants:
+                self._drop(next(iter(self._tenants)))
+            mem = self._tenants[tenant] = SuffixMemory(self.max_bytes, self.cfg)
+            self._bytes += TENANT_BYTES + mem.nbytes
+        before = mem.nbytes
         mem.insert(tokens)
-        total = self.nbytes
-        while total > self.max_bytes and self._tenants:
+        self._bytes += mem.nbytes - before
+        while self._bytes > self.max_bytes and self._tenants:
             name, oldest = next(iter(self._tenants.items()))
             if len(oldest) == 0:
-                del self._tenants[name]
+                self._drop(name)
                 continue
             before = oldest.nbytes
             oldest.evict_one()
             self.evicted += 1
-            total -= before - oldest.nbytes
+            self._bytes -= before - oldest.nbytes
             if len(oldest) == 0:
-                del self._tenants[name]
+                self._drop(name)
+
+    def _drop(self, tenant: str) -> None:
+        mem = self._tenants.pop(tenant)
+        self._bytes -= mem.nbytes + TENANT_BYTES
+        mem.clear()
+        self.dropped += 1
 
     def clear(self) -> None:
+        for mem in self._tenants.values():
+            mem.clear()
         self._tenants.clear()
+        self._bytes = 0

@@ -27,6 +27,7 @@ from ..drafting.memory import MemoryPool
 from ..errors import GooseError
 from .measure import load_or_measure_batch
 from .methods import Method, make_method
+from .output import stop_check
 from .prefix import BLOCK, PrefixCache
 from .requests import (
     GenerationResult,
@@ -52,11 +53,12 @@ class Request:
     `finish_reason`: "stop" (a stop token or `stop`), "length" (max_new_tokens), "cancelled" or "error"."""
 
     def __init__(self, rid: int, prompt: list[int], slot: Slot, decode, on_tokens, tenant: str = "",
-                 private_memory: bool = False) -> None:
+                 private_memory: bool = False, private: bool = False) -> None:
         self.id = rid
         self.prompt = prompt
         self.tenant = tenant  # the prefix-cache and suffix-memory scope of this request (see Engine.submit)
-        self.private_memory = private_memory  # drafts from no earlier request's text, leaves none for later
+        self.private = private  # reuses no stored prefix and stores none (and private_memory)
+        self.private_memory = private_memory or private  # drafts from no earlier request's text, leaves none
         self.slot = slot
         self.method = slot.method.name  # the method decoding this request
         self._decode = decode
@@ -221,9 +223,10 @@ class Engine:
                                              memory_mb=memory_mb)
         if settings.freeze_gc:
             freeze_heap()  # before the engine's own objects exist: only what the caller already holds is frozen
-        self.prefixes = PrefixCache(settings.prefix_cache_bytes)  # the step loop's own (see goose.engine.prefix)
+        # the step loop's own (see goose.engine.prefix)
+        self.prefixes = PrefixCache(settings.prefix_cache_bytes, settings.max_tenants)
         # earlier requests' prompts and outputs, one memory per tenant (used on the engine's thread only)
-        self.memories = MemoryPool(settings.memory_bytes, (config or GooseConfig()).memory)
+        self.memories = MemoryPool(settings.memory_bytes, (config or GooseConfig()).memory, settings.max_tenants)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.max_batch, self.max_queue = settings.max_batch, settings.max_queue
         self.prefill_chunk = settings.prefill_chunk
@@ -261,16 +264,18 @@ class Engine:
     # ---- public API ----------------------------------------------------------------------------------
     def submit(self, prompt_or_ids: str | list[int], max_new_tokens: int = 128, chat: bool = False, *,
                method: str | None = None, stop=None, eos=None, on_tokens=None, tenant: str = "",
-               private_memory: bool = False, **options) -> Request:
+               private_memory: bool = False, private: bool = False, **options) -> Request:
         """Queue one request; returns at once. `options` are DecodeConfig fields (do_sample, temperature,
         top_k, top_p, seed, prefill_chunk; sampling without a seed draws one from the OS's entropy, so
-        no two runs repeat each other). `stop(tokens) -> bool` is asked after every generated token;
+        no two runs repeat each other). `stop(tokens) -> bool` is asked after every generated token (or
+        `stop` is a string or a list of them: the request ends once its text holds one, `goose.engine.output`);
         `eos`: stop token ids (default: the model's); `on_tokens(block)` is called on the engine's thread
         with each committed block (an exception there fails this request only). `tenant`: the prefix-cache
         and suffix-memory scope: a request reuses only prefixes stored, and drafts only from text seen, by
         requests of the same tenant ("" = the anonymous tenant). `private_memory`: the request neither drafts
-        from the suffix memory nor adds its text to it (`goose serve` sets it for requests that name no
-        tenant). Bad input raises GooseError here, before anything is queued."""
+        from the suffix memory nor adds its text to it. `private`: that, and it neither reuses stored prefixes
+        nor stores its own (`goose serve` sets it for requests that name no tenant). Bad input raises
+        GooseError here, before anything is queued."""
         cfg = decode_config(dict(options, max_new_tokens=max_new_tokens))
         if cfg.do_sample and cfg.seed is None:
             cfg = dataclasses.replace(cfg, seed=secrets.randbits(63))
@@ -280,6 +285,7 @@ class Engine:
             ids = [int(t) for t in prompt_or_ids]
             if any(not 0 <= t < self.vocab for t in ids):
                 raise GooseError(f"token ids must be in 0..{self.vocab - 1}")
+        stop = stop_check(stop, self.tokenizer)
         template = self._template(method or self.default_method)
         rid = next(self._ids)
         req_box: list[Request] = []
@@ -287,7 +293,7 @@ class Engine:
                     self.limit, stop=None if stop is None else _guarded(stop, req_box))
         decode = None if self.tokenizer is None else \
             (lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
-        req = Request(rid, ids, slot, decode, on_tokens, str(tenant), bool(private_memory))
+        req = Request(rid, ids, slot, decode, on_tokens, str(tenant), bool(private_memory), bool(private))
         req_box.append(req)
         with self._cond:
             if self._closed:
@@ -504,6 +510,8 @@ class Engine:
         for r in running:
             s = r.slot
             s.hold = False
+            if r.private:
+                continue
             if s.unstarted and not self._guard(r, "reusing a stored prefix", self._attach, r):
                 continue
             if s.unstarted:
@@ -524,7 +532,7 @@ class Engine:
         request's tenant's part). A failure fails that request and empties the cache (it may be half-written)."""
         for r in running:
             s = r.slot
-            if r.done or r.error is not None:  # failed or cancelled in this step
+            if r.done or r.error is not None or r.private:  # failed or cancelled in this step, or private
                 continue
             if s.done:
                 tokens = s.prompt + s.out
