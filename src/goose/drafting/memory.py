@@ -231,7 +231,8 @@ class MemoryPool:
     million. When the total is over `max_bytes`, the least recently used tenant's least recently used sequence
     goes first. Not thread-safe: the engine's step loop owns it."""
 
-    def __init__(self, max_bytes: int, cfg: MemoryConfig = MemoryConfig(), max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
+    def __init__(self, max_bytes: int, cfg: MemoryConfig = MemoryConfig(),
+                 max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
         if max_tenants < 1:
             raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
         self.max_bytes, self.cfg, self.max_tenants = int(max_bytes), cfg, int(max_tenants)

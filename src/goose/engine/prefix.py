@@ -21,6 +21,7 @@ stored: another tenant's prompts and answers never shorten its prefill nor show 
 share one byte budget and one least-recently-used order.
 
 The cache is the engine's own: only its step loop reads and writes it, and it hands out copies.
+
 Memory: the blocks live in one preallocated pool (``torch.empty`` of ``capacity`` blocks, made at the first
 store: the operating system backs a page only once a block is written there), so what the cache holds never
 exceeds its budget however blocks come and go, and no freed block leaves a hole in the allocator's heap.
@@ -28,10 +29,11 @@ exceeds its budget however blocks come and go, and no freed block leaves a hole 
 Recency is an ordered dict in which a block is always more recent than its descendants (a path is marked
 from its last block back to its first), so the least recently used block is always a leaf and an eviction
 costs O(1) whatever the number of blocks or tenants.
+
 Limits: `max_bytes` (the engine's ``prefix_cache_mb``); the least recently used blocks with no stored
 continuation go first; `max_tenants` (the engine's ``max_tenants``): tenants with stored blocks, the least
-recently used tenant's blocks all go when a new one would pass it. At least one prompt token is always left to prefill (its logits give the first
-token).
+recently used tenant's blocks all go when a new one would pass it. At least one prompt token is always left
+to prefill (its logits give the first token).
 """
 
 from __future__ import annotations
