@@ -1,0 +1,94 @@
+"""Stop strings: `Engine.submit(..., stop=["..."])` ends a request once the decoded text of its output holds
+one of them (`StopStrings`, built by `stop_check`).
+
+Asked after every generated token, the check decodes only the last tokens of the output, as many as hold
+the longest stop string's UTF-8 bytes with room to spare, so it costs the same however long the output is.
+Tokens are counted in bytes, not characters: a byte-level token may be a piece of one character (🦢 is
+three tokens of SmolLM2's tokenizer), so a window sized in tokens per character would miss a stop string
+of emoji or CJK text. What each token adds to the text is known from its own decoding (`token_bytes`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from ..errors import GooseError
+
+MAX_STOP_BYTES = 256  # UTF-8 bytes of one stop string (the window decoded per token grows with it)
+# Bytes the window holds beyond the longest stop string: its first characters may differ from the whole
+# text's (see StopStrings.__call__), and a stop string must lie wholly after them.
+SLACK_BYTES = 12
+SKIPPED_CHARS = 3  # characters at the start of a window where no stop string is looked for
+SILENT_TOKENS = 64  # tokens decoding to no text (special ones) a window may hold beyond one per needed byte
+
+_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {token id: token_bytes}
+
+
+def token_bytes(tokenizer, token: int) -> int:
+    """At least how many UTF-8 bytes `token` adds to the decoded text of any token sequence holding it:
+    the bytes of its own decoding, each U+FFFD (a partial character, which decodes to one replacement
+    character for at least one byte) counted as one. Remembered per tokenizer."""
+    try:
+        sizes = _BYTES.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that takes no weak reference: nothing is remembered
+        sizes = {}
+    n = sizes.get(token)
+    if n is None:
+        text = tokenizer.decode([token], skip_special_tokens=True)
+        n = sizes[token] = len(text.encode("utf-8", "surrogatepass")) - 2 * text.count("\ufffd")
+    return n
+
+
+def check_stop_strings(stops: list[str]) -> None:
+    """GooseError unless every stop string is a non-empty string of at most MAX_STOP_BYTES UTF-8 bytes."""
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise GooseError(f"a stop string must be a non-empty string, got {s!r:.60}")
+        try:
+            size = len(s.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise GooseError("a stop string holds a lone surrogate (not valid Unicode text)") from None
+        if size > MAX_STOP_BYTES:
+            raise GooseError(f"a stop string may have at most {MAX_STOP_BYTES} bytes of UTF-8 "
+                             f"(MAX_STOP_BYTES), got {size}")
+
+
+class StopStrings:
+    """``stop(tokens) -> bool``: True once ``tokenizer.decode(tokens, skip_special_tokens=True)`` holds one of
+    `stops`. Asked after every token, so a stop string it finds ends in the last token."""
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        if tokenizer is None:
+            raise GooseError("stop strings need a tokenizer (give the Engine one, or pass stop as a callable)")
+        check_stop_strings(stops)
+        self.tokenizer, self.stops = tokenizer, list(stops)
+        self.need = max(len(s.encode("utf-8")) for s in stops) + SLACK_BYTES
+
+    def __call__(self, tokens: list[int]) -> bool:
+        """The window starts where the tokens before the last one add at least `need` bytes, so a stop string
+        ending in the last token starts at least SLACK_BYTES + 1 bytes into it. The window's decoding differs
+        from the whole text's only in its first characters: up to 3 bytes of a character begun before it, each
+        a U+FFFD, or a leading space a SentencePiece decoder drops. Three characters hold at most 12 bytes, so
+        looking from the window's fourth character on skips those and misses no stop string."""
+        start = self.window(tokens)
+        tail = self.tokenizer.decode(tokens[start:], skip_special_tokens=True)
+        skip = SKIPPED_CHARS if start else 0
+        return any(tail.find(s, skip) >= 0 for s in self.stops)
+
+    def window(self, tokens: list[int]) -> int:
+        """Index of the window's first token (0: the whole output)."""
+        i, covered = max(len(tokens) - 1, 0), 0
+        floor = max(0, i - self.need - SILENT_TOKENS)
+        while covered < self.need and i > floor:
+            i -= 1
+            covered += token_bytes(self.tokenizer, tokens[i])
+        return i
+
+
+def stop_check(stop, tokenizer):
+    """`Engine.submit`'s `stop` as a ``stop(tokens) -> bool`` (None: none): a callable as it is, a string or a
+    list of strings as their `StopStrings`."""
+    if stop is None or callable(stop):
+        return stop
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    return StopStrings(tokenizer, stops) if stops else None
