@@ -18,6 +18,7 @@ from conftest import TINY_VOCAB, greedy_memo, make_tiny_llama
 from goose import Engine, GooseError
 from goose.backends import cpukernel
 from goose.engine import scheduler
+from goose.engine import step as step_mod
 from goose.engine.prefix import BLOCK
 from goose.engine.step import Slot
 
@@ -62,7 +63,7 @@ def _slot_stage(monkeypatch, bad: list[int], name: str, make_fault):
 
 
 STAGES = ["cache allocation", "method start", "prefix attach", "reuse_prefix", "prefix store", "on_tokens",
-          "stop"]
+          "stop", "drafting", "selection", "tree tensors", "forward", "verification", "harvest"]
 
 
 @needs_kernel
@@ -104,6 +105,42 @@ def test_a_fault_in_one_request_stage_fails_that_request_only(model32, monkeypat
 
             monkeypatch.setattr(eng.prefixes, "store", store)
             why = "storing the prefix"
+        elif stage == "drafting":  # the step loop's own stages: the bad request's part of the batch fails
+            _slot_stage(monkeypatch, bad, "begin", lambda s: setattr(s.method, "candidates", fault))
+            why = "drafting failed"
+        elif stage == "selection":  # the batch's choice raises on the bad request's candidates
+            bad_cands, real_allocate = [], step_mod.allocate  # (kept alive: no other object takes their ids)
+
+            def candidates(slot_method, real):
+                return lambda *a: (c := real(*a), bad_cands.append(c))[0]
+
+            _slot_stage(monkeypatch, bad, "begin",
+                        lambda s: setattr(s.method, "candidates", candidates(s.method, s.method.candidates)))
+
+            def allocate(cands, *a):
+                if any(c is b for c in cands for b in bad_cands):
+                    fault()
+                return real_allocate(cands, *a)
+
+            monkeypatch.setattr(step_mod, "allocate", allocate)
+            why = "selecting the tree failed"
+        elif stage == "tree tensors":
+            real_tensorize = step_mod._tensorize
+            monkeypatch.setattr(step_mod, "_tensorize",
+                                lambda w: fault() if w.slot.prompt == bad else real_tensorize(w))
+            why = "building the tree tensors failed"
+        elif stage == "forward":  # the shared forward raises while the bad request's segment is in it
+            bad_caches, real_run = [], eng.forward.run
+            _slot_stage(monkeypatch, bad, "begin", lambda s: bad_caches.append(s.cache))
+            monkeypatch.setattr(eng.forward, "run", lambda segs: fault() if any(
+                seg.cache is c for seg in segs for c in bad_caches) else real_run(segs))
+            why = "the forward failed"
+        elif stage == "verification":
+            _slot_stage(monkeypatch, bad, "begin", lambda s: setattr(s.chooser, "walk", fault))
+            why = "verifying failed"
+        elif stage == "harvest":  # the method learning from the bad request's logits (prefill or a step)
+            _slot_stage(monkeypatch, bad, "begin", lambda s: setattr(s.method, "harvest", fault))
+            why = "ing failed"
         elif stage == "on_tokens":
             extra = {"on_tokens": fault}
             why = "injected fault"

@@ -146,6 +146,8 @@ class Decoder:
             slot.begin()
             while not slot.done:
                 step(fwd, [slot], cost)
+                if slot.error is not None:
+                    raise slot.error
                 if slot.new:
                     yield slot.new
             if self.memory is not None:

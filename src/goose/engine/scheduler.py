@@ -254,6 +254,7 @@ class Engine:
         self.batch_sizes: deque[int] = deque(maxlen=BATCH_SIZES_KEPT)  # requests per step, recent steps only
         self.batch_counts = [0] * (self.max_batch + 1)  # steps run with n requests, for every n (fixed size)
         self.failure: str | None = None  # why the step loop stopped for good (None: it runs, or was closed)
+        self.last_step_at: float | None = None  # time.monotonic() when the last step ended (None: none yet)
         self._thread = threading.Thread(target=self._loop, name="goose-engine", daemon=True) if thread else None
         self._runner_done = threading.Event()
         self._runner: threading.Thread | None = None
@@ -489,6 +490,9 @@ class Engine:
                 if r.done:
                     continue
                 s = r.slot
+                if s.error is not None:  # its own stage failed in this step (engine.step's `Slot.fail`)
+                    r._finish("error", s.error)
+                    continue
                 if s.new and not self._guard(r, None, r._deliver, s.new):
                     continue
                 if r.error is not None:  # its `stop` raised
@@ -499,6 +503,7 @@ class Engine:
                     r._finish(s.finish_reason)
         with self._cond:
             self._running = [r for r in self._running if not r.done]
+        self.last_step_at = time.monotonic()
         return True
 
     def _share_prefixes(self, running: list[Request]) -> None:

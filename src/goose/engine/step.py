@@ -58,7 +58,8 @@ class Slot:
     out: list[int] = field(default_factory=list)
     stats: Stats = None  # type: ignore[assignment]
     state: str = PREFILL
-    finish_reason: str | None = None  # once done: "stop" (a stop token or `stop`) or "length"
+    finish_reason: str | None = None  # once done: "stop" (a stop token or `stop`), "length" or "error"
+    error: BaseException | None = None  # why its own stage failed (then done, finish_reason "error")
     filled: int = 0  # prompt tokens prefilled so far
     hold: bool = False  # skip prefill chunks this step (the engine waits for a prefix another request is computing)
     prev: int = -1  # token before the next prefill chunk
@@ -106,6 +107,11 @@ class Slot:
     @property
     def done(self) -> bool:
         return self.state == DONE
+
+    def fail(self, stage: str, exc: BaseException) -> None:
+        """This request's own stage raised `exc`: it is over (`error` says why); the others go on."""
+        self.error = exc if isinstance(exc, GooseError) else GooseError(f"{stage} failed: {type(exc).__name__}: {exc}")
+        self.state, self.finish_reason, self.new, self.new_sources = DONE, "error", [], []
 
     def commit(self, new: list[int], sources: list[int] | None = None) -> None:
         """Append `new`, cut at max_new_tokens, a stop token or `stop`. `sources`: the draft source of each
@@ -175,23 +181,57 @@ def _step(forward: Forward, slots: list[Slot], cost: CostModel | None, budget: i
     prefills = _prefill_chunks(slots, budget)  # 1. draft
     drafts = [_Work(s) for s in decoding]
     context = _mean_context(decoding + [w.slot for w in prefills])
-    _draft(drafts, prefills, cost, context, settings)
+    drafts = _draft(drafts, prefills, cost, context, settings)
     clock("draft")
     _select(drafts, prefills, cost, context)  # 2. select
     clock("select")
     by_slot = {id(w.slot): w for w in prefills + drafts}
-    work = [by_slot[id(s)] for s in slots if id(s) in by_slot]  # in the slots' order
-    segments = [_tensorize(w) for w in work]  # 3. tensorize
+    work = [by_slot[id(s)] for s in slots if id(s) in by_slot and not s.done]  # in the slots' order
+    tensors = [(w, _own(w.slot, "building the tree tensors", _tensorize, w)) for w in work]  # 3. tensorize
+    tensors = [(w, seg) for w, seg in tensors if seg is not None]
     clock("tensorize")
-    if not segments:
+    if not tensors:
         return
-    outs = forward.run(segments)  # 4. forward
+    outs = _forward(forward, [w for w, _ in tensors], [seg for _, seg in tensors])  # 4. forward
     clock("forward")
-    for w, logits in zip(work, outs):
+    for w, logits in outs:
         if w.chunk is not None:
-            _after_prefill_chunk(w, logits)
+            _own(w.slot, "prefilling", _after_prefill_chunk, w, logits)
         else:
-            _verify_and_commit(w, logits)  # 5.-8.
+            _own(w.slot, "verifying", _verify_and_commit, w, logits)  # 5.-8.
+
+
+def _own(slot: Slot, stage: str, fn, *args):
+    """`fn(*args)`, a stage of `slot`'s own: when it raises, that slot alone fails (`Slot.fail`) and None
+    is returned; the batch's other slots go on."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        slot.fail(stage, exc)
+        return None
+
+
+def _forward(forward: Forward, work: list[_Work], segments: list[Segment]) -> list[tuple[_Work, torch.Tensor]]:
+    """(work, logits) of one forward over every segment. When the shared forward raises, the segments run
+    again one by one, so only the request whose segment fails fails: those whose caches the failed call left
+    untouched are retried (their rows do not depend on the others': every committed token stays the one it
+    would have been), a request whose cache it already extended fails with the error."""
+    lengths = [seg.cache.length for seg in segments]
+    try:
+        return list(zip(work, forward.run(segments)))
+    except Exception as exc:
+        if len(segments) == 1:
+            work[0].slot.fail("the forward", exc)
+            return []
+        out = []
+        for w, seg, n in zip(work, segments, lengths):
+            if seg.cache.length != n:
+                w.slot.fail("the forward", exc)
+                continue
+            logits = _own(w.slot, "the forward", forward.run, [seg])
+            if logits is not None:
+                out.append((w, logits[0]))
+        return out
 
 
 def _prefill_chunks(slots: list[Slot], budget: int | None) -> list[_Work]:
@@ -211,22 +251,27 @@ def _prefill_chunks(slots: list[Slot], budget: int | None) -> list[_Work]:
 
 
 def _draft(drafts: list[_Work], prefills: list[_Work], cost: CostModel | None, context: float,
-           settings: EngineConfig) -> None:
+           settings: EngineConfig) -> list[_Work]:
     """Each decoding slot's tree, or its candidates when its method offers them (built only where a node can
-    pay for its row: `_worth`), cut to the model's context."""
+    pay for its row: `_worth`), cut to the model's context. Returns the work of the slots whose drafting did
+    not fail."""
     n_dec = len(drafts)
     n_pre = sum(len(w.chunk) for w in prefills)
     min_prob = _worth(cost, len(prefills) + n_dec, n_pre + n_dec, n_dec, context, settings, n_pre, len(prefills))
-    for w in drafts:
-        s = w.slot
-        anchor = s.out[-1]
-        prev = s.out[-2] if len(s.out) > 1 else s.prompt[-1]
-        room = None if s.limit is None else s.limit - 1 - s.cache.length
-        if s.method.offers_candidates:
-            w.cands = s.method.candidates(anchor, prev, room, min_prob)
-        else:
-            tree = s.method.draft(anchor, prev)
-            w.tree = tree if room is None else tree.within_depth(room)
+    return [w for w in drafts if _own(w.slot, "drafting", _draft_one, w, min_prob) is not None]
+
+
+def _draft_one(w: _Work, min_prob: float) -> _Work:
+    s = w.slot
+    anchor = s.out[-1]
+    prev = s.out[-2] if len(s.out) > 1 else s.prompt[-1]
+    room = None if s.limit is None else s.limit - 1 - s.cache.length
+    if s.method.offers_candidates:
+        w.cands = s.method.candidates(anchor, prev, room, min_prob)
+    else:
+        tree = s.method.draft(anchor, prev)
+        w.tree = tree if room is None else tree.within_depth(room)
+    return w
 
 
 def _select(drafts: list[_Work], prefills: list[_Work], cost: CostModel | None, context: float) -> None:
@@ -237,8 +282,13 @@ def _select(drafts: list[_Work], prefills: list[_Work], cost: CostModel | None, 
     n_pre = sum(len(w.chunk) for w in prefills)
     fixed = n_pre + sum(len(w.tree.all_tokens) for w in drafts if w.tree)
     n_seq = len(prefills) + len(drafts)
-    picks = allocate([w.cands for w in offered], fixed, len(drafts) - len(offered), cost, n_seq, context, n_pre,
-                     len(prefills))
+    plain = len(drafts) - len(offered)
+    try:
+        picks = allocate([w.cands for w in offered], fixed, plain, cost, n_seq, context, n_pre, len(prefills))
+    except Exception:  # one request's candidates broke the batch's choice: each is chosen alone, the bad one fails
+        picks = [_own(w.slot, "selecting the tree", lambda c: allocate([c], fixed, plain, cost, n_seq, context,
+                                                                      n_pre, len(prefills))[0], w.cands)
+                 for w in offered]
     for w, tree in zip(offered, picks):
         w.tree = tree
 
