@@ -198,6 +198,8 @@ def test_soak_with_unique_prompts_and_stops_makes_the_prefix_cache_evict(url, se
     assert rc == 0 and soak["requests"] == 24 and soak["errors"] == 0 and soak["running_after"] == 0
     assert soak["unique_prompts"] and soak["prefix_evicted_blocks"] > 0 and soak["prompt_tokens"] > 0
     assert soak["prefix_cache_mb_after"] <= 0.02
+    assert soak["merged"] == 0 and soak["rss_mid_mb"] > 0  # every soak request was its own tenant's first
+    assert engine.memories.dropped + len(engine.memories) >= 15  # a tenant each (cancelled ones leave no text)
     assert "blocks evicted" in capsys.readouterr().out
     assert main(["bench-serve", "--url", url + "/v1", "--soak", "1", "--soak-stop-rate", "2"]) == 2
     wait_idle(engine)

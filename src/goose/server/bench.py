@@ -6,10 +6,14 @@ the level's wall time, time to first token and time per output token (p50 / p95)
 prompt's text equals its text at the first level. A soak then sends N more requests at the highest
 concurrency and closes a random ~20% of the streams early (client cancellations), and reads the server's
 /metrics (when it has them) for running requests and resident memory before and after. For a soak that
-makes a prefix cache evict, `soak_unique` gives every soak request a prompt of its own (the prompt plus a
-numbered tail: the prompts' first blocks are shared, the tails and answers are new, so the working set
-outgrows any cache) and `soak_stop_rate` gives that fraction of them stop strings; the prefix cache's
-evictions and hits before and after are read from /metrics too.
+makes a prefix cache evict, `soak_unique` gives every soak request a prompt and a tenant (`user`) of its own
+(the prompt plus a numbered tail: the prompts' first blocks are shared, the tails and answers are new, so the
+working set outgrows any cache, and the tenants outnumber any tenant cap) and `soak_stop_rate` gives that
+fraction of them stop strings (`SOAK_STOPS`, multi-byte ones among them); the prefix cache's evictions and
+hits before and after are read from /metrics too. The soak runs in two halves, and the resident memory is
+read between them: over the second half, once the caches are full, it should stay flat
+(`SOAK_RSS_TOLERANCE`). With `soak_unique` every soak request is its tenant's first, so any cached prompt
+token it reports came from another tenant: `merged` counts those requests (it must stay 0).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Sample:
     cancelled: bool = False
     error: str | None = None
     tau: float | None = None
+    cached: int = 0  # prompt tokens the server reports as taken from its prefix cache
 
 
 @dataclass
@@ -57,6 +62,7 @@ class Level:
     tau: float | None
     identical: str = "-"  # texts equal to the first level's, "n/m"
     first_error: str | None = None
+    merged: int = 0  # with unique tenants: requests that reported cached prompt tokens (another tenant's)
     texts: dict = field(default_factory=dict, repr=False)
 
 
@@ -70,12 +76,15 @@ def pct(values: list[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-SOAK_STOPS = [".", "\n", " the"]  # stop strings of soak requests drawn to have them (common: they do stop)
+# stop strings of soak requests drawn to have them: common ones that do stop, and multi-byte ones (a swan emoji
+# is 9 tokens of SmolLM2's tokenizer) that exercise the byte-sized stop window on every token
+SOAK_STOPS = [".", "\n", "🦢🦢🦢", "。"]
 SOAK_RSS_TOLERANCE = 0.05  # the soak's resident memory may grow at most 5% ("flat")
 
 
 async def one_request(client, model: str, prompt: str, i: int, max_tokens: int, extra: dict,
-                      cancel_after: int | None = None, stop: list[str] | None = None) -> Sample:
+                      cancel_after: int | None = None, stop: list[str] | None = None,
+                      user: str | None = None) -> Sample:
     t0 = time.perf_counter()
     first = None
     pieces: list[str] = []
@@ -86,7 +95,7 @@ async def one_request(client, model: str, prompt: str, i: int, max_tokens: int, 
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
             stream=True, stream_options={"include_usage": True}, extra_body=extra or None,
-            **({"stop": stop} if stop else {}))
+            **({"stop": stop} if stop else {}), **({"user": user} if user else {}))
         async for ch in stream:
             if ch.choices and ch.choices[0].delta.content:
                 if first is None:
@@ -106,7 +115,10 @@ async def one_request(client, model: str, prompt: str, i: int, max_tokens: int, 
     end = time.perf_counter()
     n = usage.completion_tokens if usage is not None else chunks
     tpot = (end - first) / (n - 1) if first is not None and n > 1 else None
-    return Sample(i, True, "".join(pieces), n, None if first is None else first - t0, tpot, end - t0, tau=tau)
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) or 0
+    return Sample(i, True, "".join(pieces), n, None if first is None else first - t0, tpot, end - t0, tau=tau,
+                  cached=cached)
 
 
 async def run_level(client, model: str, prompts: list[str], concurrency: int, n_requests: int, max_tokens: int,
@@ -114,20 +126,21 @@ async def run_level(client, model: str, prompts: list[str], concurrency: int, n_
                     unique: bool = False, stop_rate: float = 0.0) -> Level:
     """`n_requests` requests over `prompts` (in turn) at `concurrency`; `cancel_rate` of them closed after 1-7
     chunks, `stop_rate` of them with stop strings (`SOAK_STOPS`), and with `unique` each prompt gets a tail of
-    its own (" (request SEED-N)")."""
+    its own (" (request SEED-N)") and its own tenant (``user`` "soak-SEED-N")."""
     rng = random.Random(seed)
     order = [i % len(prompts) for i in range(n_requests)]
     plan = [(i, rng.randrange(1, 8) if rng.random() < cancel_rate else None,
-             f" (request {seed}-{n})" if unique else "", SOAK_STOPS if rng.random() < stop_rate else None)
+             f" (request {seed}-{n})" if unique else "", SOAK_STOPS if rng.random() < stop_rate else None,
+             f"soak-{seed}-{n}" if unique else None)
             for n, i in enumerate(order)]
     samples: list[Sample] = []
     queue = list(reversed(plan))
 
     async def worker():
         while queue:
-            i, cancel_after, tail, stop = queue.pop()
+            i, cancel_after, tail, stop, user = queue.pop()
             samples.append(await one_request(client, model, prompts[i] + tail, i, max_tokens, extra, cancel_after,
-                                             stop))
+                                             stop, user))
 
     t0 = time.perf_counter()
     tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
@@ -150,7 +163,7 @@ async def run_level(client, model: str, prompts: list[str], concurrency: int, n_
                  pct([s.tpot_s for s in full if s.tpot_s is not None], 0.95),
                  statistics.fmean(taus) if taus else None,
                  first_error=next((s.error for s in samples if s.error), "timed out" if pending else None),
-                 texts=texts)
+                 texts=texts, merged=sum(s.cached > 0 for s in samples if s.ok) if unique else 0)
 
 
 def _get(url: str) -> str:
@@ -225,29 +238,39 @@ async def bench(url: str, model: str | None, api_key: str, concurrencies: list[i
     if soak:
         before = await scrape(url)
         c = max(concurrencies)
-        lv = await run_level(client, model, prompts, c, soak, max_tokens, extra, timeout, label + " soak",
-                             cancel_rate=0.2, seed=seed + 1, unique=soak_unique, stop_rate=soak_stop_rate)
-        await asyncio.sleep(1.0)
-        after = await scrape(url)
-        rss = (before.get("process_resident_memory_bytes"), after.get("process_resident_memory_bytes"))
+        halves, mids = [], []
+        for h, n in enumerate((soak // 2, soak - soak // 2)):
+            halves.append(await run_level(client, model, prompts, c, n, max_tokens, extra, timeout,
+                                          f"{label} soak {h + 1}/2", cancel_rate=0.2, seed=seed + 1 + h,
+                                          unique=soak_unique, stop_rate=soak_stop_rate))
+            await asyncio.sleep(1.0)
+            mids.append(await scrape(url))
+        mid, after = mids
+        rss = [m.get("process_resident_memory_bytes") for m in (before, mid, after)]
 
         def grew(name):
             return None if name not in after or name not in before else after[name] - before[name]
 
-        result["soak"] = {"requests": lv.requests, "errors": lv.errors, "cancelled": lv.cancelled,
-                          "tok_s": lv.tok_s, "wall_s": lv.wall_s, "first_error": lv.first_error,
+        def mb(x):
+            return None if x is None else x / 2**20
+
+        result["soak"] = {"requests": sum(lv.requests for lv in halves), "errors": sum(lv.errors for lv in halves),
+                          "cancelled": sum(lv.cancelled for lv in halves), "merged": sum(lv.merged for lv in halves),
+                          "tok_s": sum(lv.tokens for lv in halves) / sum(lv.wall_s for lv in halves),
+                          "wall_s": sum(lv.wall_s for lv in halves),
+                          "first_error": next((lv.first_error for lv in halves if lv.first_error), None),
                           "unique_prompts": soak_unique, "stop_rate": soak_stop_rate,
                           "running_after": after.get("goose_requests_running"),
                           "waiting_after": after.get("goose_requests_waiting"),
-                          "rss_before_mb": None if rss[0] is None else rss[0] / 2**20,
-                          "rss_after_mb": None if rss[1] is None else rss[1] / 2**20,
-                          "rss_growth": None if None in rss else rss[1] / rss[0] - 1,
+                          "rss_before_mb": mb(rss[0]), "rss_mid_mb": mb(rss[1]), "rss_after_mb": mb(rss[2]),
+                          "rss_growth": None if None in (rss[0], rss[2]) else rss[2] / rss[0] - 1,
+                          "rss_growth_second_half": None if None in rss[1:] else rss[2] / rss[1] - 1,
                           "prefix_evicted_blocks": grew("goose_prefix_cache_evicted_blocks_total"),
                           "prefix_hit_tokens": grew("goose_prefix_cache_hit_tokens_total"),
                           "prompt_tokens": grew("goose_prompt_tokens_total"),
                           "prefix_cache_mb_after": None if "goose_prefix_cache_bytes" not in after
                           else after["goose_prefix_cache_bytes"] / 2**20}
-        levels.append(lv)
+        levels.extend(halves)
     result["table"] = table(levels)
     await client.close()
     return result
@@ -285,16 +308,19 @@ def run_cli(args) -> int:
     print(result["table"])
     if "soak" in result:
         s = result["soak"]
-        print(f"soak: {s['requests']} requests, {s['cancelled']} cancelled by the client, {s['errors']} errors; "
-              f"running after: {s['running_after']}, RSS {fmt(s['rss_before_mb'])} -> {fmt(s['rss_after_mb'])} MiB"
-              + ("" if s["rss_growth"] is None else f" ({s['rss_growth']:+.1%})")
+        print(f"soak: {s['requests']} requests, {s['cancelled']} cancelled by the client, {s['errors']} errors, "
+              f"{s['merged']} saw another tenant's cached tokens; running after: {s['running_after']}, "
+              f"RSS {fmt(s['rss_before_mb'])} -> {fmt(s['rss_mid_mb'])} -> {fmt(s['rss_after_mb'])} MiB"
+              + ("" if s["rss_growth_second_half"] is None else
+                 f" ({s['rss_growth_second_half']:+.1%} over the second half)")
               + ("" if s["prefix_evicted_blocks"] is None else
                  f"; prefix cache: {s['prefix_evicted_blocks']:.0f} blocks evicted, "
                  f"{s['prefix_hit_tokens']:.0f} of {s['prompt_tokens']:.0f} prompt tokens reused"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    failed = sum(lv["errors"] for lv in result["levels"]) + (result.get("soak") or {}).get("errors", 0)
+    soak = result.get("soak") or {}
+    failed = sum(lv["errors"] for lv in result["levels"]) + soak.get("errors", 0) + soak.get("merged", 0)
     return 1 if failed else 0
 
 
