@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -28,8 +27,6 @@ from goose.bench import datasets
 from goose.config import GooseConfig
 from goose.decoding import encode
 from goose.machine import cpu_name
-
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 def variant_engine(model, tok, v: str, c: int) -> Engine:
@@ -94,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model("smollm2-135m", arith=args.arith)
-    prompts = [encode(tok, q.turns[0], True) for q in datasets.load(f"spec-bench:{SPEC}", None, args.limit)]
+    prompts = [encode(tok, q.turns[0], True) for q in datasets.load("spec-bench", None, args.limit)]
     variants = args.variants.split(",")
     rates: dict[str, list[float]] = {v: [] for v in variants}
     lats: dict[str, list[float]] = {v: [] for v in variants}

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
 from goose import Decoder, Engine, load_model
 from goose.bench import datasets
 from goose.machine import cpu_name
-
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 def main() -> None:
@@ -38,7 +35,7 @@ def main() -> None:
         model, tok = load_model(args.model, weights="gguf", arith="int8")
     else:
         model, tok = load_model(args.model)
-    questions = datasets.load(f"spec-bench:{SPEC}", None, args.limit)
+    questions = datasets.load("spec-bench", None, args.limit)
     dec = Decoder(model, tok, args.method)
     prompts = [dec.encode(q.turns[0], chat=True) for q in questions]
     times = {"decoder": 0.0, "engine": 0.0}

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from goose import load_model
 from goose.bench import datasets
 from goose.decoding import Decoder, encode_chat
 from goose.machine import cpu_name
-
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 def main() -> None:
@@ -31,11 +28,11 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--limit", type=int, default=1, help="questions per MT-Bench category (8 categories)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--data", default=str(SPEC), help="Spec-Bench's question.jsonl")
+    ap.add_argument("--data", help="Spec-Bench's question.jsonl (default: the copy packaged with goose)")
     ap.add_argument("--sessions", type=int, default=None, help="only the first N sessions")
     args = ap.parse_args()
     model, tok = load_model(args.model)
-    questions = [q for q in datasets.load(f"mt-bench:{args.data}", None, args.limit)
+    questions = [q for q in datasets.load(f"mt-bench:{args.data}" if args.data else "mt-bench", None, args.limit)
                  if len(q.turns) >= 2][: args.sessions]
     decoders = {"ar": Decoder(model, tok, "ar", memory_mb=0),
                 "goose (no memory)": Decoder(model, tok, "goose", memory_mb=0),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from goose.bench import datasets
 from goose.bench.runner import Prompter
@@ -20,7 +19,6 @@ from goose.config import DecodeConfig, DeviceAwareConfig, GooseConfig
 from goose.decoding import Decoder
 from goose.loading.model import load_model
 
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 CATEGORIES = ["humaneval", "translation", "summarization", "qa", "math_reasoning", "rag"]
 
 
@@ -33,7 +31,7 @@ def main() -> None:
     ap.add_argument("--categories", default=",".join(CATEGORIES))
     args = ap.parse_args()
     model, tok = load_model(args.model)
-    spec = f",spec-bench:{SPEC}" if SPEC.is_file() else ""
+    spec = ",spec-bench"
     questions = datasets.load("humaneval" + spec, args.categories.split(","), args.limit)
     prompter = Prompter(tok, model, chat=bool(getattr(tok, "chat_template", None)))
     prompts = [prompter.turn_ids(q, 0, []) for q in questions]

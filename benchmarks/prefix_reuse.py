@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -23,8 +22,6 @@ from goose.bench import datasets
 from goose.bench.concurrency import percentile
 from goose.decoding import encode_chat
 from goose.machine import cpu_name
-
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 def serve(model, tok, prompts: list[list[int]], concurrency: int, max_new: int, mb: float, method: str) -> dict:
@@ -49,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-    questions = datasets.load(f"spec-bench:{SPEC}", None, 1)
+    questions = datasets.load("spec-bench", None, 1)
     doc = max(questions, key=lambda q: len(q.turns[0]))
     prompts = [encode_chat(tok, [{"role": "system", "content": doc.turns[0]}, {"role": "user", "content": q.turns[0]}])
                for q in questions if q is not doc]

@@ -11,7 +11,7 @@ vllm`. The outputs come from goose's `ar` on the same model (the tokens vLLM pla
 computed once and cached in --outputs.
 
     .venv-vllm/bin/python benchmarks/proposer_replay.py \
-        --dataset humaneval,spec-bench:../shared/data/spec_bench/question.jsonl --limit 1
+        --dataset humaneval,spec-bench --limit 1
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def replay_suffix(reqs: list[dict], depth: int = 24, factor: float = 1.0, min_pr
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dataset", default="humaneval,spec-bench:../shared/data/spec_bench/question.jsonl")
+    ap.add_argument("--dataset", default="humaneval,spec-bench")
     ap.add_argument("--limit", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--outputs", default="runs/replay_outputs.json")

@@ -19,8 +19,6 @@ from pathlib import Path
 
 from goose.drafting.ngram import NgramIndex
 
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
-
 
 def greedy_outputs(path: Path, skip: int, limit: int, max_new: int) -> list[dict]:
     if path.is_file():
@@ -38,7 +36,7 @@ def greedy_outputs(path: Path, skip: int, limit: int, max_new: int) -> list[dict
     dec = Decoder(model, tok, "ar", memory_mb=0)
     prompter = Prompter(tok, model, chat=True)
     by_category: dict[str, list] = {}
-    for q in datasets.load(f"spec-bench:{SPEC}", limit=skip + limit):
+    for q in datasets.load("spec-bench", limit=skip + limit):
         by_category.setdefault(q.category, []).append(q)
     out = []
     for questions in by_category.values():

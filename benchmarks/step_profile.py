@@ -18,8 +18,6 @@ arithmetic --arith.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from goose.backends.forward import HFForward
 from goose.backends.lean import LeanForward
@@ -28,19 +26,13 @@ from goose.decoding import Decoder
 from goose.loading.model import load_model
 
 STAGES = ("select", "draft", "tensorize", "forward", "verify", "compact", "harvest", "commit")
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
 
 def prompts(n: int) -> list[str]:
-    if SPEC.is_file():
-        rows = [json.loads(line) for line in SPEC.open()]
-        picked, seen = [], set()
-        for r in rows:
-            if r["category"] not in seen:
-                seen.add(r["category"])
-                picked.append(r["turns"][0])
-        return picked[:n]
-    return ["Write a Python function that reverses a linked list.", "Explain how tides work."][:n]
+    """The first question of each Spec-Bench category (the packaged copy), first `n` of them."""
+    from goose.bench import datasets
+
+    return [q.turns[0] for q in datasets.load("spec-bench", limit=1)][:n]
 
 
 def profile(dec: Decoder, texts: list[str], max_new: int, chat: bool = True) -> tuple[dict, int, float]:

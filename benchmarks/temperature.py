@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from goose.bench import datasets
 from goose.bench.runner import Prompter
@@ -19,7 +18,6 @@ from goose.config import DecodeConfig
 from goose.decoding import Decoder
 from goose.loading.model import load_model
 
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 CATEGORIES = ["humaneval", "translation", "summarization", "qa", "math_reasoning", "rag"]
 
 
@@ -34,7 +32,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     model, tok = load_model(args.model)
-    spec = f",spec-bench:{SPEC}" if SPEC.is_file() else ""
+    spec = ",spec-bench"
     questions = datasets.load("humaneval" + spec, CATEGORIES, args.limit)
     prompter = Prompter(tok, model, chat=True)
     prompts = [prompter.turn_ids(q, 0, []) for q in questions]

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 ENGINES = ("llama", "llama-pld", "goose-ar", "goose", "goose-ar-int8", "goose-int8")
 
 
@@ -117,7 +116,7 @@ def main() -> None:
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="smollm2-135m", help="packaged name or .gguf file")
-    ap.add_argument("--prompts", default=f"spec-bench:{SPEC}")
+    ap.add_argument("--prompts", default="spec-bench")
     ap.add_argument("--limit", type=int, default=1, help="questions per category")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)

@@ -39,7 +39,6 @@ from goose.machine import cpu_name
 from goose.server.bench import bench
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
 SERVED = "smollm2-135m"
 
 
@@ -155,7 +154,7 @@ def report(results: dict[str, dict], concurrencies: list[int], meta: dict) -> st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--prompts", default=f"spec-bench:{SPEC}")
+    ap.add_argument("--prompts", default="spec-bench")
     ap.add_argument("--limit", type=int, default=1, help="questions per category")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--requests", type=int, default=None, help="requests per level (default: the prompts, "

@@ -491,6 +491,16 @@ def test_results_file_names_cpu_commit_command_and_every_method(run_dir):
     assert results.cpu_name()  # lscpu, /proc/cpuinfo or platform: never empty
 
 
+def test_make_results_benches_the_packaged_spec_bench_questions(monkeypatch, tmp_path):
+    import goose.cli
+    from goose.bench import results
+
+    seen = []
+    monkeypatch.setattr(goose.cli, "main", lambda argv: seen.append(argv) or 3)
+    assert results.main(["--out", str(tmp_path / "r"), "--write", str(tmp_path / "r.md"), "--readme", ""]) == 3
+    assert seen[0][:3] == ["bench", "--dataset", "spec-bench"] and "--chat" in seen[0]
+
+
 def test_results_are_quoted_between_the_readme_markers():
     from goose.bench import results
 
@@ -516,8 +526,7 @@ def test_demo_verdict_says_what_the_numbers_mean(run_dir):
     assert f"{cell['lossless']} of {cell['checked']} answers token-identical to ar" in line
 
 
-@pytest.mark.parametrize("with_spec_bench", [True, False])
-def test_demo_runs_12_questions_with_goose_and_the_three_baselines(monkeypatch, with_spec_bench):
+def test_demo_runs_12_questions_with_goose_and_the_three_baselines(monkeypatch):
     from goose.bench import cli as bench_cli
     from goose.cli import main
 
@@ -528,14 +537,12 @@ def test_demo_runs_12_questions_with_goose_and_the_three_baselines(monkeypatch, 
                     chat=args.chat, replace=replace)
         return 3  # (not 0: no verdict to print)
 
-    if not with_spec_bench:
-        monkeypatch.setattr(bench_cli, "spec_bench_file", lambda: None)
-    elif bench_cli.spec_bench_file() is None:
-        pytest.skip("Spec-Bench's question file is not beside the repository")
     monkeypatch.setattr(bench_cli, "run_bench", fake_run)
     assert main(["demo"]) == 3
     assert seen["methods"] == ["goose", "hf-ar", "hf-pld"] and seen["tokens"] == 48  # ar is added by the runner
     assert len(seen["questions"]) == 12 and len({q.question_id for q in seen["questions"]}) == 12
+    assert seen["dataset"] == "humaneval,spec-bench"  # the packaged Spec-Bench questions
+    assert [q.category for q in seen["questions"]][::2] == ["humaneval", *bench_cli.DEMO_CATEGORIES]
     assert seen["chat"] is True
     assert main(["demo", "--raw"]) == 3 and seen["chat"] is False
     assert seen["replace"] is True  # the demo's own directory: an old run of other software does not block it

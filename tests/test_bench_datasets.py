@@ -1,18 +1,19 @@
-"""goose bench datasets: the real packages, the shared Spec-Bench file, and bad input."""
+"""goose bench datasets: the real packages, the packaged Spec-Bench file, and bad input."""
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
 
+import goose
 from goose.bench import datasets
 from goose.bench.cli import parse_methods
 from goose.errors import GooseError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-SPEC_BENCH = SHARED / "data" / "spec_bench" / "question.jsonl"
-needs_spec_bench = pytest.mark.skipif(not SPEC_BENCH.is_file(), reason=f"{SPEC_BENCH} not present")
+SPEC_BENCH = datasets.SPEC_BENCH_FILE
 
 
 def test_humaneval_has_164_prompts():
@@ -29,24 +30,55 @@ def test_sharegpt_first_human_turns():
     assert qs[0].turns[0].startswith("Summarize the main ideas of Jeff Walker")
 
 
-@needs_spec_bench
-def test_spec_bench_file_and_subsets():
-    qs = datasets.load(f"spec-bench:{SPEC_BENCH}")
+def test_spec_bench_ships_inside_the_package_with_its_checksum(monkeypatch, tmp_path):
+    """`spec-bench` without a path reads the copy inside the installed package (no folder beside the repository),
+    whose sha256 is the one its NOTICE states."""
+    monkeypatch.chdir(tmp_path)  # nothing found from the working directory
+    path = datasets.spec_bench_file()
+    assert path == SPEC_BENCH and path.is_file()
+    assert path.is_relative_to(Path(goose.__file__).resolve().parent)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == datasets.SPEC_BENCH_SHA256
+    assert datasets.SPEC_BENCH_SHA256 in (path.parent / "NOTICE.md").read_text(encoding="utf-8")
+    qs = datasets.load("spec-bench")
+    assert len(qs) == 480 and len({q.category for q in qs}) == 13
+    assert {q.category for q in qs} == set(datasets.SPEC_BENCH_CATEGORIES)
+
+
+def test_spec_bench_file_and_subsets(tmp_path):
+    qs = datasets.load("spec-bench")
     assert len(qs) == 480
     cats = {q.category for q in qs}
     assert {"translation", "summarization", "qa", "math_reasoning", "rag"} <= cats
     assert set(datasets.MT_BENCH_CATEGORIES) <= cats
-    mt = datasets.load(f"mt-bench:{SPEC_BENCH}")
+    mt = datasets.load("mt-bench")
     assert len(mt) == 80 and all(len(q.turns) == 2 for q in mt)
-    gsm = datasets.load(f"gsm8k:{SPEC_BENCH}")
+    gsm = datasets.load("gsm8k")
     assert len(gsm) == 80 and {q.category for q in gsm} == {"math_reasoning"}
+    copy = tmp_path / "question.jsonl"  # an explicit PATH is read as it is
+    shutil.copyfile(SPEC_BENCH, copy)
+    assert datasets.load(f"spec-bench:{copy}") == qs and datasets.load(f"mt-bench:{copy}") == mt
+    copy.write_text('{"question_id": 1, "category": "qa", "turns": ["hi"]}\n', encoding="utf-8")
+    assert [q.question_id for q in datasets.load(f"spec-bench:{copy}")] == [1]
 
 
-@needs_spec_bench
+def test_a_changed_packaged_spec_bench_file_is_a_one_line_error(monkeypatch, tmp_path):
+    bad = tmp_path / "question.jsonl"
+    bad.write_bytes(SPEC_BENCH.read_bytes().replace(b"Hawaii", b"Hawai'i", 1))
+    monkeypatch.setattr(datasets, "SPEC_BENCH_FILE", bad)
+    for spec in ("spec-bench", "multiturn"):
+        with pytest.raises(GooseError) as err:
+            datasets.load(spec)
+        assert "sha256" in str(err.value) and datasets.SPEC_BENCH_SHA256 in str(err.value)
+        assert "\n" not in str(err.value)
+    monkeypatch.setattr(datasets, "SPEC_BENCH_FILE", tmp_path / "missing.jsonl")
+    with pytest.raises(GooseError, match="cannot be read"):
+        datasets.load("gsm8k")
+
+
 def test_limit_is_per_category_and_categories_filter():
-    qs = datasets.load(f"humaneval,spec-bench:{SPEC_BENCH}", ["humaneval", "qa", "rag"], limit=3)
+    qs = datasets.load("humaneval,spec-bench", ["humaneval", "qa", "rag"], limit=3)
     assert [q.category for q in qs] == ["humaneval"] * 3 + ["qa"] * 3 + ["rag"] * 3
-    assert len(datasets.load(f"spec-bench:{SPEC_BENCH}", limit=2)) == 2 * 13
+    assert len(datasets.load("spec-bench", limit=2)) == 2 * 13
 
 
 def test_builtin_and_jsonl(tmp_path):
@@ -59,7 +91,7 @@ def test_builtin_and_jsonl(tmp_path):
 
 @pytest.mark.parametrize("spec, message", [
     ("nope", "unknown dataset 'nope'"),
-    ("spec-bench", "needs a file"),
+    ("jsonl", "needs a file"),
     ("jsonl:/does/not/exist.jsonl", "not found"),
     ("builtin,builtin", "appears more than once"),
 ])
@@ -118,10 +150,3 @@ def test_report_of_a_dir_without_run(tmp_path, capsys):
 
     assert main(["report", str(tmp_path)]) == 2
     assert "not a goose bench directory" in capsys.readouterr().err
-
-
-@needs_spec_bench
-def test_demo_finds_the_shared_spec_bench_file():
-    from goose.bench.cli import spec_bench_file
-
-    assert spec_bench_file().resolve() == SPEC_BENCH.resolve()

@@ -53,14 +53,14 @@ def test_multiturn_takes_two_turn_questions_round_robin(tmp_path):
     assert [q.question_id for q in datasets.load(f"multiturn:{path}", limit=2)] == ["multiturn-0", "multiturn-2"]
 
 
-def test_workload_names_and_bad_input(monkeypatch):
+def test_workload_names_and_bad_input():
     both = datasets.load("code-edit,agent", limit=2)
     assert [q.question_id for q in both] == ["code-edit-1", "code-edit-2", "agent-1", "agent-2"]
     with pytest.raises(GooseError, match="takes no file"):
         datasets.load("agent:foo.jsonl")
-    monkeypatch.setattr(datasets, "_spec_bench_file", lambda: None)
-    with pytest.raises(GooseError, match="multiturn:PATH"):
-        datasets.load("multiturn")
+    mt = datasets.load("multiturn")  # the packaged Spec-Bench questions: MT-Bench's 80, round-robin
+    assert len(mt) == 80 and all(len(q.turns) == 2 for q in mt)
+    assert [q.question_id for q in datasets.load("multiturn", limit=2)] == ["multiturn-81", "multiturn-91"]
 
 
 def test_jsonl_sessions_may_carry_a_system_prompt(tmp_path):

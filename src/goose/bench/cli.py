@@ -22,7 +22,6 @@ from .methods import ALL_METHODS, HF_METHODS, MEMORY_MODES, check, parse_memory,
 DEFAULT_METHODS = "ar,pld,tr,iso3,iso5,goose,hf-ar,hf-pld"
 DEMO_METHODS = "goose,hf-ar,hf-pld"  # and ar, always run
 DEMO_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")  # with HumanEval: 6 x --limit
-SPEC_BENCH_FILE = Path("data") / "spec_bench" / "question.jsonl"  # inside the `shared` folder beside the repo
 
 
 def parse_methods(text: str, memory: str | None = None) -> list[str]:
@@ -180,30 +179,11 @@ def cmd_report(args) -> int:
     return 0
 
 
-def spec_bench_file() -> Path | None:
-    """Spec-Bench's question file in `shared/` beside the repo (seen from the working directory or the
-    package checkout), or None."""
-    repo = Path(__file__).resolve().parents[3]
-    for base in (Path.cwd(), Path.cwd().parent, repo.parent):
-        path = base / "shared" / SPEC_BENCH_FILE
-        if path.is_file():
-            return path
-    return None
-
-
 def cmd_demo(args) -> int:
     args.methods = parse_methods(args.methods)
-    spec = spec_bench_file()
-    if spec is not None:  # HumanEval and five Spec-Bench categories, --limit each (default 2: 12 questions)
-        dataset = f"humaneval,spec-bench:{spec}"
-        qs = datasets.load("humaneval", None, args.limit) + datasets.load(f"spec-bench:{spec}", list(DEMO_CATEGORIES),
-                                                                           args.limit)
-    else:  # the 7 built-in prompts and HumanEval's first ones, as many questions in all
-        print("demo: Spec-Bench file not found beside the repo; using the built-in prompts and HumanEval",
-              file=sys.stderr)
-        dataset = "builtin,humaneval"
-        builtin = datasets.load("builtin")
-        qs = builtin + datasets.load("humaneval", None, max(1, (1 + len(DEMO_CATEGORIES)) * args.limit - len(builtin)))
+    # HumanEval and five categories of the packaged Spec-Bench questions, --limit each (default 2: 12 questions)
+    dataset = "humaneval,spec-bench"
+    qs = datasets.load("humaneval", None, args.limit) + datasets.load("spec-bench", list(DEMO_CATEGORIES), args.limit)
     rc = run_bench(args, qs, dataset, sys.argv[1:], replace=True)
     if rc == 0:
         print(demo_verdict(json.loads((Path(args.out) / "summary.json").read_text(encoding="utf-8"))))
@@ -267,9 +247,9 @@ def _common(p: argparse.ArgumentParser, max_new: int, out: str, methods: str) ->
 def register(sub) -> None:
     b = sub.add_parser("bench", help="benchmark methods side by side (Spec-Bench-compatible answers, report, plots)")
     b.add_argument("--dataset", default="builtin",
-                   help="builtin (default), humaneval, sharegpt, spec-bench:PATH, mt-bench:PATH, gsm8k:PATH, "
-                        "jsonl:PATH, or the session workloads multiturn[:PATH], code-edit, agent; several joined "
-                        "by commas")
+                   help="builtin (default), humaneval, sharegpt, spec-bench[:PATH], mt-bench[:PATH], gsm8k[:PATH] "
+                        "(without PATH: Spec-Bench's questions shipped with goose), jsonl:PATH, or the session "
+                        "workloads multiturn[:PATH], code-edit, agent; several joined by commas")
     b.add_argument("--categories", help="comma-separated categories to keep")
     b.add_argument("--limit", type=int, help="first N questions of each category")
     b.add_argument("--engine", choices=("goose", "vllm"), default="goose",

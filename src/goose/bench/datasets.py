@@ -2,16 +2,20 @@
 
 A dataset spec is one name or several joined by commas::
 
-    builtin | humaneval | sharegpt | spec-bench:PATH | mt-bench:PATH | gsm8k:PATH | jsonl:PATH
+    builtin | humaneval | sharegpt | spec-bench[:PATH] | mt-bench[:PATH] | gsm8k[:PATH] | jsonl:PATH
     multiturn[:PATH] | code-edit | agent     (session workloads: `goose.bench.workloads`)
 
+Spec-Bench's question file ships inside the package (``data/spec_bench/question.jsonl``, with its NOTICE):
+``spec-bench``, ``mt-bench``, ``gsm8k`` and ``multiturn`` read it when no PATH is given.
+
 Every loader returns `Question`s; `--limit N` keeps the first N questions *of each category*, so a mixed
-set (e.g. ``humaneval,spec-bench:PATH``) gets the same number of prompts per category.
+set (e.g. ``humaneval,spec-bench``) gets the same number of prompts per category.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -24,6 +28,27 @@ from ..paths import package_file
 # 80 questions in each of five single-turn categories; `gsm8k` is its math_reasoning subset.
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_BENCH_CATEGORIES = MT_BENCH_CATEGORIES + ("translation", "summarization", "qa", "math_reasoning", "rag")
+
+# Spec-Bench's question file, shipped unchanged inside the package (data/spec_bench/NOTICE.md: source, licence)
+SPEC_BENCH_FILE = Path(__file__).resolve().parent / "data" / "spec_bench" / "question.jsonl"
+SPEC_BENCH_SHA256 = "4b6d33e79484f9841c487ee87d1cf6aa8c6066f61d5d482ff09e5a007fafdf04"
+_verified: set[tuple[Path, str]] = set()  # (file, sha256) pairs already checked in this process
+
+
+def spec_bench_file() -> Path:
+    """The packaged Spec-Bench question file, its sha256 checked the first time a process asks for it."""
+    path, want = SPEC_BENCH_FILE, SPEC_BENCH_SHA256
+    if (path, want) not in _verified:
+        try:
+            got = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError as exc:
+            raise GooseError(f"the packaged Spec-Bench question file cannot be read ({exc.strerror or exc}): "
+                             f"{path}; reinstall goose, or pass spec-bench:PATH") from None
+        if got != want:
+            raise GooseError(f"the packaged Spec-Bench question file {path} has sha256 {got}, expected {want}; "
+                             f"reinstall goose, or pass spec-bench:PATH")
+        _verified.add((path, want))
+    return path
 
 
 @dataclass(frozen=True)
@@ -99,13 +124,11 @@ def _load_one(part: str, limit: int | None) -> list[Question]:
 
         if name != "multiturn" and path:
             raise GooseError(f"workload '{name}' is built in and takes no file")
-        spec = Path(path) if path else _spec_bench_file()
-        return workloads.load(name, spec)
+        return workloads.load(name, Path(path) if path else None)
     if name in ("spec-bench", "mt-bench", "gsm8k", "jsonl"):
-        if not path:
-            raise GooseError(f"dataset '{name}' needs a file: '{name}:PATH' "
-                             f"(e.g. {name}:../shared/data/spec_bench/question.jsonl)")
-        qs = read_jsonl(Path(path))
+        if not path and name == "jsonl":
+            raise GooseError("dataset 'jsonl' needs a file: 'jsonl:PATH'")
+        qs = read_jsonl(Path(path) if path else spec_bench_file())
         if name == "mt-bench":
             qs = [q for q in qs if q.category in MT_BENCH_CATEGORIES]
         elif name == "gsm8k":
@@ -113,14 +136,8 @@ def _load_one(part: str, limit: int | None) -> list[Question]:
         if not qs:
             raise GooseError(f"{path} holds no {name} questions")
         return qs
-    raise GooseError(f"unknown dataset '{part}'; choose builtin, humaneval, sharegpt, spec-bench:PATH, "
-                     f"mt-bench:PATH, gsm8k:PATH, jsonl:PATH, multiturn[:PATH], code-edit or agent")
-
-
-def _spec_bench_file() -> Path | None:
-    from .cli import spec_bench_file
-
-    return spec_bench_file()
+    raise GooseError(f"unknown dataset '{part}'; choose builtin, humaneval, sharegpt, spec-bench[:PATH], "
+                     f"mt-bench[:PATH], gsm8k[:PATH], jsonl:PATH, multiturn[:PATH], code-edit or agent")
 
 
 def humaneval() -> list[Question]:

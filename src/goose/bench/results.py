@@ -102,13 +102,13 @@ def quote(readme: str, results: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from ..cli import main as goose_main
-    from .cli import spec_bench_file
 
     p = argparse.ArgumentParser(prog="python -m goose.bench.results", description=__doc__.split("\n\n")[0])
     p.add_argument("--limit", type=int, default=LIMIT, help=f"questions per category (default {LIMIT})")
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help=f"per turn (default {MAX_NEW})")
     p.add_argument("--methods", default=METHODS, help=f"default {METHODS}")
-    p.add_argument("--dataset", help="default: Spec-Bench's question file in shared/ beside the repository")
+    p.add_argument("--dataset", default="spec-bench",
+                   help="default: spec-bench (Spec-Bench's questions shipped with goose)")
     p.add_argument("--raw", action="store_true",
                    help="raw prompts (default: the chat template; an instruct model answers raw prompts briefly)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; 1 on a busy machine)")
@@ -118,15 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-run", action="store_true", help="only render the table from the finished run in --out")
     p.add_argument("--readme", default=README, help=f"the README that quotes the file (default {README}; '' for none)")
     args = p.parse_args(argv)
-    dataset = args.dataset
-    if dataset is None:
-        spec = spec_bench_file()
-        if spec is None:
-            raise SystemExit("goose: error: Spec-Bench's question.jsonl not found in shared/data/spec_bench beside "
-                             "the repository; pass --dataset spec-bench:PATH")
-        dataset = f"spec-bench:{os.path.relpath(spec)}"
-    bench = ["bench", "--dataset", dataset, "--limit", str(args.limit), "--max-new-tokens", str(args.max_new_tokens),
-             "--methods", args.methods, "--out", args.out]
+    bench = ["bench", "--dataset", args.dataset, "--limit", str(args.limit), "--max-new-tokens",
+             str(args.max_new_tokens), "--methods", args.methods, "--out", args.out]
     if not args.raw:
         bench.append("--chat")
     if args.threads is not None:

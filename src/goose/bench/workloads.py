@@ -22,18 +22,16 @@ import json
 from pathlib import Path
 
 from ..errors import GooseError
-from .datasets import MT_BENCH_CATEGORIES, Question, read_jsonl
+from .datasets import MT_BENCH_CATEGORIES, Question, read_jsonl, spec_bench_file
 
 WORKLOADS = ("multiturn", "code-edit", "agent")
 
 
 def load(name: str, path: Path | None = None) -> list[Question]:
-    """The sessions of one workload; `path`: Spec-Bench's question.jsonl (multiturn only)."""
+    """The sessions of one workload; `path`: Spec-Bench's question.jsonl (multiturn only; default: the packaged
+    copy)."""
     if name == "multiturn":
-        if path is None:
-            raise GooseError("workload 'multiturn' needs Spec-Bench's question.jsonl: 'multiturn:PATH' (found "
-                             "automatically in shared/data/spec_bench beside the repository)")
-        return multiturn(path)
+        return multiturn(spec_bench_file() if path is None else path)
     if name == "code-edit":
         return code_edit()
     if name == "agent":
