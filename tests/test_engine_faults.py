@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB, greedy_memo, make_tiny_llama
-from goose import Engine, GooseError
+from goose import Engine, GooseError, RequestFailed
 from goose.backends import cpukernel
 from goose.engine import scheduler
 from goose.engine import step as step_mod
@@ -152,6 +152,8 @@ def test_a_fault_in_one_request_stage_fails_that_request_only(model32, monkeypat
             assert r.wait(TIMEOUT)
         assert fault.fired >= 1, f"the {stage} fault never fired"
         assert reqs[1].finish_reason == "error" and why in str(reqs[1].error), (stage, reqs[1].error)
+        if stage not in ("on_tokens", "stop"):  # (a callback's own exception reaches its caller as it is)
+            assert isinstance(reqs[1].error, RequestFailed)
         with pytest.raises((GooseError, MemoryError)):
             reqs[1].result()
         for r, p in ((reqs[0], good1), (reqs[2], good2)):
@@ -243,3 +245,26 @@ def test_unseeded_sampling_draws_its_seed_from_the_os(model32):
     with Engine(model32, None, "ar", max_batch=1) as eng:  # the drawn seed reproduces the text
         again = eng.generate([3, 4, 5], 24, do_sample=True, temperature=2.0, seed=seeds[0]).token_ids
     assert again == outs[0]
+
+
+def test_errors_are_typed(model32):
+    """A caller tells a full queue, a closed engine, a failed request and a cancelled one apart by type."""
+    from goose import EngineClosed, QueueFull, RequestCancelled
+
+    eng = Engine(model32, None, "ar", max_batch=1, max_queue=1, thread=False)
+    first = eng.submit([5, 6, 7], 4)
+    with pytest.raises(QueueFull):
+        eng.submit([5, 6, 7], 4)
+    first.cancel()
+    eng.step()
+    with pytest.raises(RequestCancelled):
+        first.result(timeout=5)
+    bad = eng.submit([5, 6, 7], 4, stop=lambda toks: 1 / 0)  # its own callback raising fails it alone
+    while eng.step():
+        pass
+    with pytest.raises(ZeroDivisionError):
+        bad.result(timeout=5)
+    eng.close()
+    with pytest.raises(EngineClosed):
+        eng.submit([5, 6, 7], 4)
+    assert issubclass(RequestFailed, GooseError) and issubclass(QueueFull, GooseError)

@@ -14,13 +14,15 @@ _EXPORTS = {
     "Decoder": ".decoding", "GenerationResult": ".decoding", "generate": ".decoding",
     "METHODS": ".engine.methods",
     "Engine": ".engine.scheduler", "Request": ".engine.scheduler",
-    "GooseError": ".errors",
+    "GooseError": ".errors", "QueueFull": ".errors", "EngineClosed": ".errors", "EngineFailed": ".errors",
+    "RequestFailed": ".errors", "RequestCancelled": ".errors",
     "HUB_ENTRY": ".integrations.hf", "custom_generate": ".integrations.hf",
     "DEFAULT_MODEL": ".loading.packaged", "load_model": ".loading.model",
 }
 
 __all__ = ["Decoder", "Engine", "Request", "GenerationResult", "generate", "GooseConfig", "DecodeConfig",
-           "EngineConfig", "GooseError", "METHODS", "DEFAULT_MODEL", "load_model", "custom_generate", "HUB_ENTRY"]
+           "EngineConfig", "GooseError", "QueueFull", "EngineClosed", "EngineFailed", "RequestFailed",
+           "RequestCancelled", "METHODS", "DEFAULT_MODEL", "load_model", "custom_generate", "HUB_ENTRY"]
 __version__ = "0.1.0"
 
 

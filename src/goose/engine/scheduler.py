@@ -24,7 +24,7 @@ from collections import deque
 from ..backends.cpukernel import release_thread_team
 from ..config import EngineConfig, GooseConfig
 from ..drafting.memory import MemoryPool
-from ..errors import GooseError
+from ..errors import EngineClosed, EngineFailed, GooseError, QueueFull, RequestCancelled, RequestFailed
 from .measure import load_or_measure_batch
 from .methods import Method, make_method
 from .output import stop_check
@@ -95,7 +95,7 @@ class Request:
         if self.error is not None:
             raise self.error
         if self.finish_reason == "cancelled":
-            raise GooseError(f"request {self.id} was cancelled")
+            raise RequestCancelled(f"request {self.id} was cancelled")
         return self._result
 
     def tokens(self, timeout: float | None = None):
@@ -298,10 +298,11 @@ class Engine:
         req_box.append(req)
         with self._cond:
             if self._closed:
-                raise GooseError("the engine is closed" if self.failure is None else
-                                 f"the engine is closed: it failed ({self.failure})")
+                if self.failure is not None:
+                    raise EngineFailed(f"the engine is closed: it failed ({self.failure})")
+                raise EngineClosed("the engine is closed")
             if self.max_queue is not None and len(self._waiting) >= self.max_queue:
-                raise GooseError(f"the queue is full ({self.max_queue} waiting requests)")
+                raise QueueFull(f"the queue is full ({self.max_queue} waiting requests)")
             self._waiting.append(req)
             self._cond.notify_all()
         if self._thread not in (None, threading.current_thread()):  # preparing it may have run torch work here
@@ -422,7 +423,7 @@ class Engine:
             self._closed = True
             for r in [*self._waiting, *self._running]:
                 try:
-                    r._finish("error", GooseError(f"the engine stopped: {self.failure}"))
+                    r._finish("error", EngineFailed(f"the engine stopped: {self.failure}"))
                 except BaseException:  # noqa: BLE001 - one broken request must not keep the others waiting
                     r._done.set()
             self._waiting.clear()
@@ -437,7 +438,7 @@ class Engine:
             fn(*args)
             return True
         except Exception as exc:
-            r._finish("error", exc if stage is None else GooseError(f"{stage} failed: {type(exc).__name__}: {exc}"))
+            r._finish("error", exc if stage is None else RequestFailed(f"{stage} failed: {type(exc).__name__}: {exc}"))
             return False
 
     def _next_step(self) -> bool:
@@ -476,9 +477,10 @@ class Engine:
         if running:
             try:
                 step(self.forward, [r.slot for r in running], self._cost, self.prefill_chunk, self.settings)
-            except Exception as exc:  # a failure of the shared forward fails the requests in it
+            except Exception as exc:  # a failure of the step's shared work fails the requests in it
+                err = exc if isinstance(exc, GooseError) else RequestFailed(f"decoding failed: {exc!r}")
                 for r in running:
-                    r._finish("error", exc if isinstance(exc, GooseError) else GooseError(f"decoding failed: {exc!r}"))
+                    r._finish("error", err)
             self.steps += 1
             self.batch_sizes.append(len(running))
             self.batch_counts[min(len(running), self.max_batch)] += 1
@@ -554,7 +556,7 @@ class Engine:
         try:
             self._check_weights()
         except Exception as exc:
-            err = GooseError(f"checking the model's weights failed: {type(exc).__name__}: {exc}")
+            err = RequestFailed(f"checking the model's weights failed: {type(exc).__name__}: {exc}")
             self.prefixes.clear()
             with self._cond:
                 for r in [*self._running, *self._waiting]:
@@ -572,14 +574,14 @@ class Engine:
         self.memories.clear()  # drafts learned from the old weights' outputs
         with self._cond:
             for r in self._running:
-                r._finish("error", GooseError("the model's weights changed while this request was decoded"))
+                r._finish("error", RequestFailed("the model's weights changed while this request was decoded"))
             if self._own_forward:
                 self.forward = default_forward(self.model, self.arith)
                 for r in self._waiting:
                     r.slot.cache = self.forward.new_cache()
             else:
                 for r in self._waiting:
-                    r._finish("error", GooseError("the model's weights changed since the engine's forward packed "
+                    r._finish("error", RequestFailed("the model's weights changed since the engine's forward packed "
                                                   "them: build a new Engine"))
                 self._waiting.clear()
 

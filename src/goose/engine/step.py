@@ -33,7 +33,7 @@ import torch
 from ..backends.tree_tensors import ancestor_mask, is_chain, tree_depths
 from ..config import DecodeConfig, EngineConfig
 from ..drafting.tree import ROOT, DraftTree, WalkResult
-from ..errors import GooseError
+from ..errors import GooseError, RequestFailed
 from ..protocols import CostModel, Forward, KVCache, Segment
 from ..selection.selector import Candidates, allocate, decoding_cost
 from .sampling import Chooser
@@ -110,7 +110,7 @@ class Slot:
 
     def fail(self, stage: str, exc: BaseException) -> None:
         """This request's own stage raised `exc`: it is over (`error` says why); the others go on."""
-        self.error = exc if isinstance(exc, GooseError) else GooseError(f"{stage} failed: {type(exc).__name__}: {exc}")
+        self.error = RequestFailed(f"{stage} failed: {type(exc).__name__}: {exc}")
         self.state, self.finish_reason, self.new, self.new_sources = DONE, "error", [], []
 
     def commit(self, new: list[int], sources: list[int] | None = None) -> None:
