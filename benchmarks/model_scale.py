@@ -31,7 +31,7 @@ E[accepted](n) comes from ``--acceptance`` (a JSON object ``{"n": E[accepted], .
 given sizes, flat after the last) or from the built-in default: the expected accepted tokens of the best
 n-node tree under goose's two-source model (`goose.theory.optimal_values`), a context-matched chain
 accepting each next token with probability 0.6 and 10 ranked adjacency candidates per node accepting with
-0.05 each. docs/performance.md gives acceptance rates and τ for the packaged SmolLM2-135M but no per-node
+0.05 each. docs/performance-log.md gives acceptance rates and τ for the packaged SmolLM2-135M but no per-node
 path probabilities of its best subtrees, so this is a model, not a measurement: 0.6 is about goose's
 measured spine acceptance there (57.7%, §1), 0.05 a weak adjacency source (goose's chosen branch nodes are
 accepted 16.2% of the time). It is optimistic: on SmolLM2's measured curve (§2: 40.7 / 43.0 / 43.7 / 51.8

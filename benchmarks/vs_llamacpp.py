@@ -18,7 +18,7 @@ against llama.cpp's (their float arithmetic differs; reported, not required).
     .venv-llama/bin/pip install llama-cpp-python==0.3.36 numpy     # builds llama.cpp from source (~4-10 min)
 
 (On a VM whose CPU lists AMX, llama.cpp's native build crashed at the first token, SIGILL or SIGSEGV: build
-it with the CMAKE_ARGS given in docs/performance.md §7, which turn AMX off and keep AVX-512.)
+it with the CMAKE_ARGS given in docs/performance-log.md §7, which turn AMX off and keep AVX-512.)
     .venv/bin/python benchmarks/vs_llamacpp.py --limit 1 --max-new-tokens 128
 
 Writes OUT/vs_llamacpp.json and OUT/vs_llamacpp.md. Not part of `make test`.

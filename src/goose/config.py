@@ -203,12 +203,12 @@ class DeviceAwareConfig:
 
     candidate_budget: int = 96  # nodes of the candidate tree, root included (capped by the cost curve)
     # adjacency branch nodes of the candidate tree at most (None: as the budget allows); the spine keeps its share.
-    # Measured (docs/performance.md, "Fewer candidate branches"): the steps verified the same nodes (tau unchanged)
+    # Measured (docs/performance-log.md, "Fewer candidate branches"): the steps verified the same nodes (tau unchanged)
     # with 16 as with 80, and drafting cost 0.1 ms less per step
     candidate_branches: int | None = 16
     # the n-gram sizes `goose` matches the context's suffix with, longest first (`goose-paper` keeps
     # `NgramConfig.ngram_sizes`, the spec's 5, 4, 3). Chains after a match of at most `weak_ngram` tokens are
-    # priced as their own group (`AcceptanceConfig.spine_prior`'s weak entry). Measured (docs/performance.md,
+    # priced as their own group (`AcceptanceConfig.spine_prior`'s weak entry). Measured (docs/performance-log.md,
     # "Two-token matches"): replaying greedy outputs of Spec-Bench questions, a 2-token match was the next token
     # in about half the steps where no longer n-gram matched (3-5-token matches: 80%), and adding them raised the
     # tokens per chain of 4 from 1.49 to 1.61; 1-token matches were right in 17-24%, less than the adjacency
