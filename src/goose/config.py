@@ -1,7 +1,8 @@
 """Every default of every decoding method lives here, as frozen dataclasses.
 
-The numbers are those of the GOOSE paper's main configuration (spec §3-§5) and of the parent methods
-(spec §9). Nothing else in the package holds a tuning literal.
+The numbers are those of the GOOSE paper's main configuration (its spine source, branch source and spine tree)
+and of the parent methods it compares with (PLD, Token Recycling, Lookahead, REST). Nothing else in the package
+holds a tuning literal.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from .errors import GooseError
 
 @dataclass(frozen=True)
 class NgramConfig:
-    """Context n-gram index (the spine source, spec §3)."""
+    """Context n-gram index (the spine source: what followed an earlier occurrence of the context's last n tokens)."""
 
     ngram_sizes: tuple[int, ...] = (5, 4, 3)  # looked up longest first
     max_chain: int = 20  # tokens copied after the earliest match
@@ -29,7 +30,7 @@ class NgramConfig:
 
 @dataclass(frozen=True)
 class AdjacencyConfig:
-    """Two-tier adjacency table (the branch source, spec §4)."""
+    """Two-tier adjacency table (the branch source: the model's own remembered top-k successors of a token)."""
 
     top_k: int = 10  # successors remembered per token
     use_bigram: bool = True  # (prev, token) tier, preferred over the unigram row
@@ -43,7 +44,7 @@ class AdjacencyConfig:
 
 @dataclass(frozen=True)
 class SpineTreeConfig:
-    """The anisotropic spine tree under a node budget (spec §5)."""
+    """The anisotropic spine tree under a node budget: a deep spine of context-matched tokens, shallow branches."""
 
     budget: int = 60  # B, nodes including the root
     ema_init: float = 0.5
@@ -62,7 +63,7 @@ class SpineTreeConfig:
 
 @dataclass(frozen=True)
 class IsotropicConfig:
-    """The paper's balanced control: every node gets up to `width` children (spec §5)."""
+    """The paper's balanced (isotropic) control: every node gets up to `width` children, from the same sources."""
 
     width: int = 3
     min_score: float = 0.01
@@ -71,7 +72,7 @@ class IsotropicConfig:
 
 @dataclass(frozen=True)
 class PLDConfig:
-    """Prompt lookup decoding (spec §9), with Hugging Face's option names."""
+    """Prompt lookup decoding (a baseline, one of GOOSE's parent methods), with Hugging Face's option names."""
 
     prompt_lookup_num_tokens: int = 10
     max_matching_ngram_size: int = 3  # tries n = max..1
@@ -79,7 +80,7 @@ class PLDConfig:
 
 
 def _tr_template() -> tuple[tuple[int, ...], ...]:
-    """Token Recycling's static 80-node, 6-level tree as candidate-rank paths (spec §9)."""
+    """Token Recycling's published static tree (80 nodes, 6 levels) as candidate-rank paths."""
     levels = [
         [(i,) for i in range(8)],
         [(0, j) for j in range(8)] + [(1, j) for j in range(4)] + [(2, j) for j in range(3)]
@@ -99,7 +100,7 @@ def _tr_template() -> tuple[tuple[int, ...], ...]:
 
 @dataclass(frozen=True)
 class TRConfig:
-    """Token Recycling (spec §9): top-8 id matrix, static 80-node template, hot start."""
+    """Token Recycling (a baseline, a parent method of GOOSE): top-8 id matrix, static 80-node template, hot start."""
 
     top_k: int = 8
     hot_start: bool = True
@@ -109,7 +110,7 @@ class TRConfig:
 
 @dataclass(frozen=True)
 class LookaheadConfig:
-    """Lookahead decoding (spec §9): Jacobi window W, n-gram size N, guess set G.
+    """Lookahead decoding (a baseline): Jacobi window W, n-gram size N, guess set G.
 
     Defaults are the reference implementation's recommended setting (``LEVEL=5, WINDOW_SIZE=7,
     GUESS_SET_SIZE=7``), the small one of the paper's settings (7B on an A100 used W = G = 15): at most
@@ -127,7 +128,7 @@ class LookaheadConfig:
 
 @dataclass(frozen=True)
 class RestConfig:
-    """REST (spec §9): continuations retrieved from a datastore by longest suffix match, merged into a trie.
+    """REST (a baseline): continuations retrieved from a datastore by longest suffix match, merged into a trie.
 
     Defaults follow REST: context suffixes of 16 down to 2 tokens, a trie of at most 64 draft nodes."""
 
@@ -207,7 +208,7 @@ class DeviceAwareConfig:
     # with 16 as with 80, and drafting cost 0.1 ms less per step
     candidate_branches: int | None = 16
     # the n-gram sizes `goose` matches the context's suffix with, longest first (`goose-paper` keeps
-    # `NgramConfig.ngram_sizes`, the spec's 5, 4, 3). Chains after a match of at most `weak_ngram` tokens are
+    # `NgramConfig.ngram_sizes`, the paper's 5, 4, 3). Chains after a match of at most `weak_ngram` tokens are
     # priced as their own group (`AcceptanceConfig.spine_prior`'s weak entry). Measured (docs/performance-log.md,
     # "Two-token matches"): replaying greedy outputs of Spec-Bench questions, a 2-token match was the next token
     # in about half the steps where no longer n-gram matched (3-5-token matches: 80%), and adding them raised the

@@ -17,7 +17,7 @@ p_s·(1-q_1-...-q_{j-1}) exceeds q_j; branches after it get (1-p_s)·q_k. Masses
 p_s + (1-p_s)·sum(q) <= 1, ranks stay non-increasing, and the values are exact under independence for
 every sibling set that is a rank prefix (the only kind the optimiser below builds). Spine-only and
 branch-only trees use their own single-source candidates (no discount); the GOOSE tree always puts
-the spine first (spec: branches skip the spine token), so its branch siblings of a spine node get
+the spine first (the paper's rule: branches skip the spine token), so its branch siblings of a spine node get
 (1-p_s)·q_k.
 
 **Optimality of best-first.** Every conditional probability is <= 1, so P(child) <= P(parent). Let
@@ -228,14 +228,14 @@ def branch_only(budget: int, model: TwoSourceModel) -> Tree:
 
 def goose_tree(budget: int, model: TwoSourceModel, confidence: float = 0.0, ema: float | None = None,
                spine_branch_share: float = 0.5, max_branch_depth: int = 6, min_score: float = 0.01) -> Tree:
-    """The paper's spine tree shape (spec §5, src/goose/drafting/spine.py) under the model, at equal budget.
+    """The paper's spine tree shape (src/goose/drafting/spine.py) under the model, at equal budget.
 
-    The spec's budget bonus int(c * 40) is not applied: trees are compared at the same size.
-    ema=None: the long-run EMA, i.e. the spec's EMA update fed with the expected spine acceptance
+    The paper's budget bonus int(c * 40) is not applied: trees are compared at the same size.
+    ema=None: the long-run EMA, i.e. the paper's EMA update fed with the expected spine acceptance
     rate (accepted / drafted spine nodes) of the tree it produces.
     A branch node's adjacency score is taken to be its rank's marginal probability q_rank.
     """
-    if ema is None:  # run the spec's update ema = 0.3 * rate + 0.7 * ema with the expected rate
+    if ema is None:  # run the paper's update ema = 0.3 * rate + 0.7 * ema with the expected rate
         hist = [0.5]
         for _ in range(60):
             t = goose_tree(budget, model, confidence, hist[-1], spine_branch_share, max_branch_depth, min_score)

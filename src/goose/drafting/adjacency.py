@@ -1,4 +1,4 @@
-"""Adjacency table: the model's own remembered top-k successors (the branch source, spec §4).
+"""Adjacency table: the model's own remembered top-k successors (GOOSE's branch source).
 
 Two tiers. The unigram tier is a pair of arrays ``[vocab, K]`` (successor ids, scores) plus an
 "observed" flag per token; the bigram tier maps ``(prev, token)`` to its own top-k. Both are refreshed

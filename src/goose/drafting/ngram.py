@@ -1,4 +1,4 @@
-"""Context n-gram index: the spine source (spec §3) and prompt lookup's matcher.
+"""Context n-gram index: GOOSE's spine source and prompt lookup's matcher.
 
 For each n, a hash map from an n-gram to what we need about its occurrences: the earliest start, how
 many there are, and whether all of them are followed by the same token. Only occurrences with at least
@@ -101,11 +101,11 @@ class NgramIndex:
         return Proposal([])
 
     def propose(self) -> Proposal:
-        """Lookup on the committed tokens themselves (spec's ``propose(tokens)``)."""
+        """Lookup on the committed tokens themselves (the paper's ``propose(tokens)``)."""
         return self.lookup(self.tokens)
 
     def propose_extended(self, cfg: NgramConfig, first: Proposal | None = None) -> Proposal:
-        """Propose, then grow the chain by repeated lookups while confidence allows (spec §3).
+        """Propose, then grow the chain by repeated lookups while confidence allows (GOOSE's chain extension).
 
         With confidence c > ``extend_threshold`` the chain is extended up to ``int(max_extended_chain * c)``
         tokens; on consensus (c = 1) only while each further lookup also has consensus (the first

@@ -1,4 +1,4 @@
-"""The anisotropic spine tree under a node budget (spec §5).
+"""The anisotropic spine tree under a node budget (GOOSE's draft tree).
 
 A deep spine of context-matched tokens under the root, wide shallow branches of adjacency successors
 hung off the root and the spine nodes, then a BFS extension of those branches while budget remains::
@@ -85,7 +85,7 @@ def build_spine_tree(anchor: int, prev_anchor: int | None, chain: list[int], con
                      ema: float, adj: AdjacencyTable, cfg: GooseConfig, cap: int | None = None,
                      spine_ranks: list[int] | None = None, alternatives=(), branches: bool = True,
                      branch_cap: int | None = None) -> DraftTree:
-    """The GOOSE tree for one step (spec §5); with no chain it is a pure adjacency tree. `cap`: at most this
+    """The GOOSE tree for one step; with no chain it is a pure adjacency tree. `cap`: at most this
     many nodes, root included, whatever the chain's confidence allows. `branches`: False builds the spine (and
     any memory alternatives) without adjacency branches; `branch_cap`: at most this many adjacency branch
     nodes (shared as without it: root, spine nodes, BFS extension), the spine's share of the budget unchanged.

@@ -4,7 +4,7 @@ SGLang verifies *trees* for its NGRAM algorithm: per request, exactly ``N = spec
 node tokens (node 0 is the request's last token, the root) and an ``N x N`` boolean ancestor mask
 (``mask[i, j]``: node j is node i or an ancestor of it), flattened over the batch. Its NGRAM drafter
 matches a trie fed with short output tails only. The ``GOOSE`` worker subclasses SGLang's
-``NGRAMWorker`` and replaces what it verifies with GOOSE's anisotropic tree (spec §5): a deep spine
+``NGRAMWorker`` and replaces what it verifies with GOOSE's anisotropic tree: a deep spine
 copied from the request's *whole* context (prompt included; incremental n-gram index per request) with
 adjacency branches hanging off the root and the spine, the adjacency table fed from the verify logits
 of every drafted node (Token Recycling style, kept across requests: "hot start").
@@ -112,7 +112,7 @@ class GooseTreeDrafter:
         base = cfg or GooseConfig()
         if num_draft_tokens < 2:
             raise ValueError("GOOSE needs speculative_num_draft_tokens >= 2 (the root and one draft node)")
-        # SGLang verifies exactly N nodes per request: the budget is N whatever the confidence (spec §5's
+        # SGLang verifies exactly N nodes per request: the budget is N whatever the confidence (the paper's
         # budget + c * (max_extended_chain - budget) stays N), and no chain is longer than N - 1
         spine = max(1, num_draft_tokens - 1)
         ngram = replace(base.ngram, max_chain=min(base.ngram.max_chain, spine), max_extended_chain=num_draft_tokens)
@@ -147,7 +147,7 @@ class GooseTreeDrafter:
         self.adj.harvest(tree.tokens, prevs, logits[: len(tree)])
 
     def observe(self, rid: str, tree: DraftTree, accepted_tokens: Sequence[int]) -> None:
-        """Spine acceptance EMA (spec §5) from the accepted draft tokens (bonus excluded)."""
+        """The spine acceptance EMA (accepted / drafted spine nodes) from the accepted draft tokens (bonus excluded)."""
         st = self.requests.get(rid)
         n_spine = tree.count(SPINE)
         if st is None or not n_spine:
