@@ -109,7 +109,7 @@ class PLD(Method):
 class _AdjacencyMethod(Method):
     """Shared harvest / reset logic for methods that keep an adjacency table."""
 
-    prefill_harvest = None  # the adjacency table learns from every prompt position (spec §4)
+    prefill_harvest = None  # the adjacency table learns from every prompt position (the prefill seeds it)
 
     def __init__(self, vocab_size: int, adj_cfg: AdjacencyConfig) -> None:
         self.adj = AdjacencyTable(vocab_size, adj_cfg, topk_rows, table_harvester)
@@ -145,7 +145,7 @@ class TokenRecycling(_AdjacencyMethod):
 
 
 class GoosePaper(_AdjacencyMethod):
-    """GOOSE exactly as published: spine tree under a fixed budget, chain route, AR fallback (spec §5)."""
+    """GOOSE exactly as published: spine tree under a fixed budget, chain route, AR fallback."""
 
     name = "goose-paper"
 
@@ -338,7 +338,7 @@ class DeviceAwareGoose(GoosePaper):
         request that cannot speculate at all costs what an `ar` request costs. The table misses those
         positions' successors; drafts only, never outputs, depend on it. `min_prob` carries the step loop's
         `worth_margin`, so a branch below it could still have been chosen now and then (on the Zen 5 table
-        of docs/performance.md, 6 of 1,262 drafted nodes were branches before this rule)."""
+        of docs/performance-log.md, 6 of 1,262 drafted nodes were branches before this rule)."""
         if not self._learn:
             self._learn = True
             return
@@ -380,7 +380,7 @@ class DeviceAwareGoose(GoosePaper):
 
 class Lookahead(Method):
     """Lookahead decoding: each step verifies the anchor's pooled n-grams as a trie and, in the same
-    forward, advances the Jacobi window whose trajectories fill the pool (spec §9, `drafting/lookahead.py`)."""
+    forward, advances the Jacobi window whose trajectories fill the pool (`drafting/lookahead.py`)."""
 
     name = "lookahead"
 
@@ -413,7 +413,7 @@ class Lookahead(Method):
 
 class Rest(Method):
     """REST: continuations of the longest context suffix found in a datastore, merged into a frequency
-    trie of at most `node_budget` nodes (spec §9, `drafting/datastore.py`)."""
+    trie of at most `node_budget` nodes (`drafting/datastore.py`)."""
 
     name = "rest"
 

@@ -211,7 +211,7 @@ class Engine:
     threads than CPUs every idle worker sleeps instead of spinning, which made the step loop ~2.8x slower on
     2 cores. So the constructor and `submit` free their calling thread's team after their own torch work,
     and the engine frees its own whenever it runs out of requests (`cpukernel.release_thread_team`); other
-    torch work on other threads while the engine decodes slows both (docs/performance.md §8).
+    torch work on other threads while the engine decodes slows both (docs/performance-log.md §8).
     """
 
     def __init__(self, model, tokenizer=None, method: str | Method = "goose", max_batch: int = _UNSET, config=None,

@@ -1,4 +1,4 @@
-"""Per-request decoding statistics with the fixed names of spec §7."""
+"""Per-request decoding statistics under fixed names (τ, acceptance per draft source, spine continuations)."""
 
 from __future__ import annotations
 
