@@ -111,7 +111,7 @@ def register(sub) -> None:
     b.add_argument("--requests", type=positive_int, default=None,
                    help="requests per concurrency level (default: the number of prompts, at least 2x concurrency)")
     b.add_argument("--prompts", default="builtin",
-                   help="builtin (default), or spec-bench:PATH / jsonl:PATH (any dataset of `goose bench`)")
+                   help="builtin (default), or spec-bench[:PATH] / jsonl:PATH (any dataset of `goose bench`)")
     b.add_argument("--limit", type=positive_int, default=None, help="first N prompts of each category")
     b.add_argument("--max-tokens", type=positive_int, default=128, help="max_tokens per request (default 128)")
     b.add_argument("--speculative", default=None, help="send this 'speculative' field (goose servers: 'off', ...)")
