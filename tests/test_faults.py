@@ -155,9 +155,8 @@ def test_gguf_copies_are_keyed_by_content(tmp_path, monkeypatch):
     wa, wb = weights(da), weights(db)
     assert not torch.equal(wa["model.embed_tokens.weight"], wb["model.embed_tokens.weight"])
 
-    calls = []
-    real = gm.hashlib.sha256
-    monkeypatch.setattr(gm.hashlib, "sha256", lambda *x: calls.append(1) or real(*x))
+    calls = []  # the GGUF hashed ("hashing ... to name its cached copy")
+    monkeypatch.setattr(gm, "note", lambda msg: calls.append(1) if msg.startswith("hashing") else None)
     assert gm.model_dir(str(a)) == da and calls == []  # remembered: not hashed again
     time.sleep(0.01)
     write_tiny_gguf(a, seed=2)  # same path and size, new content (and mtime)
@@ -166,19 +165,30 @@ def test_gguf_copies_are_keyed_by_content(tmp_path, monkeypatch):
     assert sum(k.startswith(f"{a}|") for k in memo) == 1  # the old entry of that path is dropped
 
 
-def test_damaged_model_copy_is_rebuilt(raced, gguf_file, tmp_path, monkeypatch):
-    """A copy damaged from outside (config.json torn) is never used: it is dequantized again."""
+@pytest.mark.parametrize("damage", ["torn-config", "flipped-weight"])
+def test_damaged_model_copy_is_rebuilt(raced, gguf_file, tmp_path, monkeypatch, damage):
+    """A copy damaged from outside (config.json torn, one byte of the weights flipped: the file still parses)
+    is never used: it is dequantized again."""
     import shutil
 
     from goose.loading.model import model_dir
 
+    reference = weights(Path(next(iter(raced["dirs"]))))
     cache = tmp_path / "cache"
     shutil.copytree(raced["cache"], cache)
     target = cache / "goose" / "models" / Path(next(iter(raced["dirs"]))).name
-    (target / "config.json").write_text('{"model_type": "lla')
+    if damage == "torn-config":
+        (target / "config.json").write_text('{"model_type": "lla')
+    else:
+        (tensors,) = target.glob("*.safetensors")
+        data = bytearray(tensors.read_bytes())
+        data[-100] ^= 0x40  # inside the last tensor's values
+        tensors.write_bytes(bytes(data))
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     assert model_dir(str(gguf_file)) == target
     assert json.loads((target / "config.json").read_text())["model_type"] == "llama"
+    got = weights(target)
+    assert got.keys() == reference.keys() and all(torch.equal(got[k], reference[k]) for k in got)
 
 
 # ---- datastore ----------------------------------------------------------------------------------------------
@@ -262,16 +272,16 @@ def test_damaged_datastore_is_refused_in_one_line(saved_store, damage, needle, c
     assert code == 2 and needle in err and "is damaged" in err and err.count("\n") == 1, err
 
 
-def test_store_without_size_record_is_still_checked(saved_store):
-    """Stores written before sizes were recorded: the arrays themselves are checked."""
+def test_store_without_digest_is_refused_with_the_rebuild_command(saved_store):
+    """Stores written before digests were kept (no ``goose-digest.json``; the oldest, no sizes in meta.json
+    either) are refused in one line that says how to rebuild them."""
     from goose.drafting import datastore
 
     meta = json.loads((saved_store / "meta.json").read_text())
     del meta["files"]
     (saved_store / "meta.json").write_text(json.dumps(meta))
-    assert len(datastore.load("bad", saved_store)) == 9
-    _truncate(saved_store / "tokens.npy")
-    with pytest.raises(GooseError, match="unreadable array"):
+    (saved_store / cachefs.MANIFEST).unlink()
+    with pytest.raises(GooseError, match=r"is damaged \(it has no digest.*rebuild it with: goose datastore build"):
         datastore.load("bad", saved_store)
 
 

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import make_tiny_llama
+from goose import cachefs
 from goose.backends import cpukernel, quant
 from goose.backends.lean import LeanForward
 from goose.engine import measure as costmodel
@@ -392,7 +393,8 @@ def test_two_processes_racing_on_a_fresh_cache_both_load_one_valid_folder(tmp_pa
     kernels = cache / "goose" / "kernels"  # (the compiled kernels copied in: only the model's files race)
     kernels.mkdir(parents=True)
     for lib in (quant.kernels().path, cpukernel.kernel().path):
-        shutil.copy2(lib, kernels / Path(lib).name)
+        for f in (Path(lib), cachefs.sidecar(lib)):  # (with their digests)
+            shutil.copy2(f, kernels / f.name)
     env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(SRC)}
     procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(src)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]

@@ -201,6 +201,42 @@ def cmd_datastore_info(args) -> int:
     return 0
 
 
+def cmd_cache_path(args) -> int:
+    from .paths import cache_root
+
+    print(cache_root())
+    return 0
+
+
+def cmd_cache_verify(args) -> int:
+    """One line per bad entry (damaged, without a digest, or another user's or writable by others), then a
+    summary; exit status 1 when any is bad."""
+    from . import cachefs
+    from .paths import cache_root
+
+    root = cache_root()
+    if not root.exists():
+        print(f"no cache at {root}")
+        return 0
+    checked, bad = cachefs.verify_tree(root)
+    for path, why in bad:
+        print(f"{path}: {why}")
+    print(f"{checked} entries in {root}: " + (f"{len(bad)} bad (a damaged entry is built again on its next use, "
+                                              "a datastore by goose datastore build)" if bad else "all whole"))
+    return 1 if bad else 0
+
+
+def cmd_cache_clear(args) -> int:
+    from . import cachefs
+    from .paths import cache_root
+
+    root = cache_root()
+    if root.exists():
+        cachefs.clear(root)
+    print(f"emptied {root}")
+    return 0
+
+
 def build_parser(load: set[str] | None = None) -> argparse.ArgumentParser:
     """The whole command line. `load`: the modules of `REGISTERED` whose subcommands are built in full (None:
     all); the others' subcommands appear by name and help only."""
@@ -242,6 +278,13 @@ def build_parser(load: set[str] | None = None) -> argparse.ArgumentParser:
     i = dsub.add_parser("info", help="size, token count, build time and tokenizer of a store")
     i.add_argument("--name", default="default", help="store name (default 'default')")
     i.set_defaults(func=cmd_datastore_info)
+    ca = sub.add_parser("cache", help="check or empty goose's cache folder (kernels, packed weights, curves, stores)")
+    csub = ca.add_subparsers(dest="cache_command", required=True, parser_class=_Parser)
+    csub.add_parser("path", help="print the cache folder").set_defaults(func=cmd_cache_path)
+    csub.add_parser("verify", help="check every entry's digest and owner; exit status 1 when any is bad"
+                    ).set_defaults(func=cmd_cache_verify)
+    csub.add_parser("clear", help="delete everything in the cache (run while no goose process runs)"
+                    ).set_defaults(func=cmd_cache_clear)
     for module, commands in REGISTERED.items():
         if load is None or module in load:
             importlib.import_module(module).register(sub)

@@ -23,7 +23,10 @@ per output, the same per-lane arithmetic in attention);
 
 Each variant is compiled once per machine with the system C++ compiler into
 ``$XDG_CACHE_HOME/goose/kernels/`` (~2 s; the file name carries a hash of the source and the local headers it
-includes, the flags and the compiler, so an edit or another compiler rebuilds it) and loaded with ctypes. Its
+includes, the flags and the compiler, so an edit or another compiler rebuilds it; its digest is kept beside it,
+``<name>.so.digest``, and a library that does not match it is compiled again) and loaded with ctypes. A
+library (or a folder above it up to the cache root) that another user owns or that group or others may write
+is never loaded: `kernel()` raises `goose.cachefs.UnsafeCache` naming it (loading it would run their code). Its
 OpenMP threads are torch's own (the library links the libgomp torch has already loaded), so
 ``torch.set_num_threads`` governs it too.
 
@@ -137,11 +140,18 @@ def source_text(source: Path) -> str:
 def built(cxx: str, flags: list[str], source: Path, variant: str) -> tuple[Path, str | None]:
     """The library of `source` compiled with `flags` in the kernel cache, compiled first when missing (`_build`):
     ``(path, None)``, or ``(path, why the build failed)``. Its name hashes the source with its headers
-    (`source_text`), the flags and the compiler's version, so an edit or another compiler builds a new one."""
+    (`source_text`), the flags and the compiler's version, so an edit or another compiler builds a new one; a
+    library that does not match its digest is compiled again, and one another user owns or may write raises
+    `cachefs.UnsafeCache` (`cachefs.check_file`)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha1("\n".join([source_text(source), " ".join(flags), cxx, version]).encode()).hexdigest()[:16]
     path = cache_root() / "kernels" / f"{source.stem}-{variant}-{digest}.so"
-    return path, None if path.is_file() else _build(cxx, flags, source, path)
+    return path, None if _whole(path) else _build(cxx, flags, source, path)
+
+
+def _whole(path: Path) -> bool:
+    """True when the library at `path` is there and matches its digest (raises `cachefs.UnsafeCache`)."""
+    return path.is_file() and cachefs.check_file(path) is None
 
 
 def _compiler() -> str | None:
@@ -657,22 +667,28 @@ def _load(variant: str | None = None) -> tuple[CpuKernels | None, str | None]:
 
 def _build(cxx: str, flags: list[str], source: Path, path: Path) -> str | None:
     """Compile `source` to `path`: under a lock (one build per machine at a time), into a temporary file
-    in the same folder that is renamed into place, so a killed build leaves no half-written library.
-    Returns why the build failed (None when it worked)."""
+    in the same folder that is renamed into place, so a killed build leaves no half-written library, then its
+    digest beside it (`cachefs.seal_file`). Returns why the build failed (None when it worked)."""
     with cachefs.lock(path):
-        if path.is_file():  # built by another process meanwhile
-            return None
+        if path.is_file():
+            why = cachefs.check_file(path)
+            if why is None:  # built by another process meanwhile
+                return None
+            note(f"{path} is damaged ({why}): compiling {source.name} again")
+        else:
+            note(f"compiling {source.name} for this CPU ({path.stem}; once per machine)")
         cachefs.clean_stale(path.parent)
         tmp = cachefs.temp_path(path)
-        note(f"compiling {source.name} for this CPU ({path.stem}; once per machine)")
         try:
             done = subprocess.run([cxx, *flags, str(source), "-o", str(tmp)], capture_output=True, text=True,
                                   timeout=600)
             if done.returncode != 0:
                 return f"building {source.name} failed: {done.stderr.strip()[-500:]}"
+            os.chmod(tmp, 0o755)  # (whatever the umask let the compiler give it: nobody else may write it)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+        cachefs.seal_file(path)
     return None
 
 

@@ -3,9 +3,11 @@
 Layout of ``cache_root()/datastores/<name>/``: ``tokens.npy`` (int32: every document's token ids, each
 document followed by the separator -1), ``sa.npy`` (int32, or int64 past 2^31 tokens: start positions of
 all suffixes in lexicographic order; a separator or the end sorts below every token) and ``meta.json``
-(sources, documents, tokens, build seconds, tokenizer identity, byte size of each array). Both arrays load
-with ``mmap_mode='r'``: opening a store reads nothing but the metadata, and checks sizes and shapes against
-it. A store is written to a new folder and renamed into place (`save`), never rewritten file by file.
+(sources, documents, tokens, build seconds, tokenizer identity, byte size of each array), and
+``goose-digest.json``, the digest of each file (`goose.cachefs.seal_dir`). Both arrays load with
+``mmap_mode='r'``: opening a store checks the sizes and the digest of every file (one read of the arrays,
+hashed on all the CPUs), then shapes and counts. A store is written to a new folder and renamed into place
+(`save`), never rewritten file by file.
 
 A lookup finds the longest suffix of the context (`max_suffix` down to `min_suffix` tokens) that occurs
 in the corpus, with two binary searches over the suffix array per length tried, and reads the tokens
@@ -206,7 +208,8 @@ def save(store: Datastore, path: Path) -> Path:
             np.save(tmp / "sa.npy", store.sa)
             meta = {**store.meta, "files": {f: (tmp / f).stat().st_size for f in ARRAYS}}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-            for f in (*ARRAYS, "meta.json"):
+            cachefs.seal_dir(tmp)
+            for f in (*ARRAYS, "meta.json", cachefs.MANIFEST):
                 with open(tmp / f, "rb") as fh:
                     os.fsync(fh.fileno())
             cachefs.replace_dir(tmp, path)
@@ -219,7 +222,8 @@ def save(store: Datastore, path: Path) -> Path:
 
 def load(name: str = DEFAULT_NAME, path: Path | None = None) -> Datastore:
     """Open a saved store (memory-mapped); a clear error with the build command when it is missing, and
-    a one-line error when it is damaged (unreadable metadata, wrong sizes, inconsistent arrays)."""
+    a one-line error when it is damaged (unreadable metadata, wrong sizes, bytes that do not match their
+    digest, inconsistent arrays) or another user owns or may write it (`goose.cachefs.UnsafeCache`)."""
     path = path or store_dir(name)
     rebuild = (f"build it with: goose datastore build --name {name} --source sharegpt --source python-stdlib "
                f"[--model MODEL]")
@@ -248,6 +252,9 @@ def load(name: str = DEFAULT_NAME, path: Path | None = None) -> Datastore:
             size = (path / f).stat().st_size
             if files.get(f) != size:
                 raise damaged(f"{f} holds {size} bytes, meta.json says {files.get(f)}")
+    why = cachefs.check_dir(path)
+    if why is not None:
+        raise damaged(why)
     try:
         # plain ndarray views of the maps: same pages, without np.memmap's per-slice overhead
         tokens = np.load(path / "tokens.npy", mmap_mode="r").view(np.ndarray)

@@ -308,8 +308,8 @@ def load_gguf_model(source: Path | None, weights: str | None, dtype: torch.dtype
     if src is not None:
         try:
             return _meta_load(src, attn_implementation)
-        except UnreadableGGUF:
-            raise  # (float32 weights would not be read from it either)
+        except (UnreadableGGUF, cachefs.UnsafeCache):
+            raise  # (float32 weights would not be read from it either; an unsafe cache is refused, not avoided)
         except GooseError as exc:
             if weights == "gguf":
                 raise
@@ -331,6 +331,8 @@ def _meta_load(gguf: Path, attn_implementation: str):
     try:
         net = stream_load(folder, attn_implementation,
                           prepare=lambda net: cached_gguf_weights(net, gguf, digest=digest))
+    except cachefs.UnsafeCache:
+        raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # damaged from outside goose
         raise GooseError(f"cannot load the model in {folder}: {exc}") from exc
     net.config._name_or_path = str(gguf)  # (the source, not the cache folder whose name changes with goose)
@@ -342,8 +344,9 @@ def _meta_load(gguf: Path, attn_implementation: str):
 # packing code, ``models/panels/<stem>-<sha256[:16]>-<code hash>.bin``, so a warm load reads the panels back
 # with one read instead of packing again. The file: PANEL_MAGIC, the header's length (u64), a JSON header
 # (which modules, formats, shapes and byte ranges), zero padding to PANEL_ALIGN, then each buffer at a
-# multiple of PANEL_ALIGN. Written atomically under a lock (`cachefs`); checked on read against the header,
-# the model and the kernels' sizes, and rebuilt when anything does not match.
+# multiple of PANEL_ALIGN. Written atomically under a lock (`cachefs`), with its digest beside it
+# (``<name>.bin.digest``); checked on read against the digest (`cachefs.check_file`, on the bytes just read),
+# the header, the model and the kernels' sizes, and rebuilt when anything does not match.
 
 PANEL_MAGIC = b"GOOSEPNL"
 PANEL_FORMAT = 1  # bumped when the file layout changes
@@ -386,7 +389,10 @@ def cached_gguf_weights(model, gguf: Path, kernels: QuantKernels | None = None, 
         done = _read_panels(model, path, kern, gguf.name)  # written by another process while this one waited
         if done is not None:
             return done
-        note(f"first use of {gguf.name} here: packing its blocks into goose's panels (once per file and kernel)")
+        if path.exists():
+            note(f"the packed panels in {path} are damaged; packing the blocks of {gguf.name} again")
+        else:
+            note(f"first use of {gguf.name} here: packing its blocks into goose's panels (once per file and kernel)")
         done = use_gguf_weights(model, gguf, kern, check=False)
         if not _packed_modules(model):
             return done  # (nothing in a format with a kernel: nothing to keep)
@@ -425,11 +431,11 @@ def _write_panels(model, path: Path, done: dict) -> None:
     header = json.dumps({"format": PANEL_FORMAT, "name": path.name, "buffers": spans, "weights": weights,
                          "done": done}).encode()
     start = -(-(len(PANEL_MAGIC) + 8 + len(header)) // PANEL_ALIGN) * PANEL_ALIGN
-    path.parent.mkdir(parents=True, exist_ok=True)
+    cachefs.make_dirs(path.parent)
     cachefs.clean_stale(path.parent)
     tmp = cachefs.temp_path(path)
     try:
-        with open(tmp, "wb") as f:
+        with cachefs.open_new(tmp) as f:
             f.write(PANEL_MAGIC + len(header).to_bytes(8, "little") + header)
             f.write(bytes(start - f.tell()))
             for b, span in zip(buffers, spans):
@@ -441,16 +447,18 @@ def _write_panels(model, path: Path, done: dict) -> None:
         os.replace(tmp, path)
     finally:
         cachefs.remove(tmp)
+    cachefs.seal_file(path)
     same_file = path.name.rsplit("-", 1)[0]  # entries of this GGUF content packed by other versions of goose
     for old in path.parent.glob(f"{glob.escape(same_file)}-*.bin"):
         if old != path and len(old.name) == len(path.name):
-            cachefs.remove(old)
+            cachefs.remove_entry(old)
 
 
 def _read_panels(model, path: Path, kern: QuantKernels, gguf_name: str) -> dict | None:
     """Put the panels kept at `path` into `model` (as `use_gguf_weights` with its fusing would) and return
-    its summary; None when there is no entry or it does not match this file, this model or these kernels
-    (then nothing in `model` has changed)."""
+    its summary; None when there is no entry, its bytes do not match its digest, or it does not match this
+    file, this model or these kernels (then nothing in `model` has changed). Raises `cachefs.UnsafeCache` for
+    an entry another user owns or may write."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -458,6 +466,8 @@ def _read_panels(model, path: Path, kern: QuantKernels, gguf_name: str) -> dict 
             if f.readinto(memoryview(blob.numpy())) != size:
                 return None
     except OSError:
+        return None
+    if cachefs.check_file(path, blob.numpy()) is not None:
         return None
     plan = _panel_plan(model, path, blob, kern)
     if plan is None:

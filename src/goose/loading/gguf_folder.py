@@ -6,8 +6,8 @@ kernel for). `blocks_dir` writes exactly those, from one read of the file's head
 ``$XDG_CACHE_HOME/goose/models/blocks/<stem>-<sha256[:16]>-<code hash>/``: ``config.json``,
 ``generation_config.json``, the tokenizer's files and ``small.safetensors`` (a few hundred KB; no float32 copy
 of the matrices is ever made). The folder is written to a temporary name and renamed into place under a lock
-(`goose.cachefs`); ``goose-source.json``, written last, records the GGUF's sha256 and the sha256 of every
-file, and a folder whose files do not match it is built again.
+(`goose.cachefs`); ``goose-source.json`` records the GGUF's sha256, and ``goose-digest.json``, written last,
+the digest of every file (`cachefs.seal_dir`): a folder whose files do not all match it is built again.
 
 The config and tokenizer are the ones transformers makes from the same file (``from_pretrained(...,
 gguf_file=...)``); tests/test_startup.py checks they are byte-identical, and the tensors are dequantized by
@@ -31,7 +31,7 @@ from ..progress import note
 from .gguf import _LAYER_NAMES as PROJECTIONS
 from .gguf import check_architecture
 
-FOLDER_FORMAT = 1  # bumped when what the folder holds changes
+FOLDER_FORMAT = 2  # bumped when what the folder holds changes
 BLOCKS_DIR = "blocks"
 SMALL_FILE = "small.safetensors"
 RECORD = "goose-source.json"
@@ -70,19 +70,15 @@ def folder_key(gguf: Path, digest: str) -> str:
     return f"{gguf.stem}-{digest[:16]}-{_code_hash()}"
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def valid(folder: Path, key: str) -> bool:
-    """True when `folder` is whole: its record names `key` and every file it lists has the recorded sha256."""
+    """True when `folder` is whole (every file matches its digest, `cachefs.check_dir`) and its record names
+    `key`. Raises `cachefs.UnsafeCache` for a folder another user owns or may write."""
+    if not folder.is_dir() or cachefs.check_dir(folder) is not None:
+        return False
     try:
         record = json.loads((folder / RECORD).read_text(encoding="utf-8"))
-        files = record["files"]
-        if record.get("key") != key or record.get("format") != FOLDER_FORMAT or not files:
-            return False
-        return all(_sha256(folder / name) == digest for name, digest in files.items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return record.get("key") == key and record.get("format") == FOLDER_FORMAT
+    except (OSError, ValueError, AttributeError):
         return False
 
 
@@ -102,12 +98,15 @@ def blocks_dir(gguf: Path, digest: str) -> Path:
         scratch = cachefs.temp_path(target)
         scratch.mkdir(parents=True)
         try:
-            note(f"first use of {gguf.name}: reading its config, tokenizer and norms into {target} (once)")
+            if target.exists():
+                note(f"{target} is damaged: reading the config, tokenizer and norms of {gguf.name} again")
+            else:
+                note(f"first use of {gguf.name}: reading its config, tokenizer and norms into {target} (once)")
             build(gguf, scratch, cfg_dict)
-            files = {p.name: _sha256(p) for p in sorted(scratch.iterdir()) if p.is_file()}
             record = {"key": key, "format": FOLDER_FORMAT, "gguf": str(gguf), "bytes": gguf.stat().st_size,
-                      "sha256": digest, "files": files}
+                      "sha256": digest}
             (scratch / RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            cachefs.seal_dir(scratch)
             cachefs.replace_dir(scratch, target)
         finally:
             cachefs.remove(scratch)

@@ -8,7 +8,8 @@ default ``~/.cache/goose/models``), so a warm load packs and converts nothing. L
 (``weights="float32"``, a Gemma GGUF, ...) dequantize the GGUF once into a safetensors copy there (`model_dir`).
 A GGUF file's entries are named by the sha256 of its content (hashed once per path, size and mtime, and
 recorded beside them in ``goose-source.json``), so two different files with one name never share one. Entries
-are written atomically under a lock (`cachefs`).
+are written atomically under a lock and carry the digest of their bytes, checked before each use (`cachefs`):
+a damaged entry is built again, one another user owns or may write is refused.
 """
 
 from __future__ import annotations
@@ -71,8 +72,12 @@ def packaged_gguf(name: str, workdir: Path) -> Path:
 
 
 def _complete(target: Path) -> bool:
-    """A cached model folder is used only when whole: its config parses and its weights are there (folders
-    are renamed into place once written, so this only fails for damage from outside goose)."""
+    """A cached model folder is used only when whole: every file matches its digest (`cachefs.check_dir`;
+    folders are renamed into place once written, so this only fails for damage from outside goose or a
+    folder of an older goose), its config parses and its weights are there. Raises `cachefs.UnsafeCache` for
+    a folder another user owns or may write."""
+    if not target.is_dir() or cachefs.check_dir(target) is not None:
+        return False
     try:
         json.loads((target / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -95,10 +100,14 @@ def _dequantized_dir(gguf, key: str, source: dict | None = None) -> Path:
         scratch.mkdir()
         try:
             tmp = scratch / "model"
-            note(f"first use of '{key}': dequantizing its GGUF weights to float32 into {target} (once)")
+            if target.exists():
+                note(f"{target} is damaged (or written by an older goose): dequantizing '{key}' again")
+            else:
+                note(f"first use of '{key}': dequantizing its GGUF weights to float32 into {target} (once)")
             _dequantize(gguf if isinstance(gguf, Path) else gguf(scratch), tmp)
             (tmp / SOURCE_RECORD).write_text(json.dumps({"key": key, **(source or {})}, indent=2) + "\n",
                                              encoding="utf-8")
+            cachefs.seal_dir(tmp)
             cachefs.replace_dir(tmp, target)
         finally:
             cachefs.remove(scratch)
@@ -115,10 +124,20 @@ def _prebuild_kernels() -> list:
 
     if not cpukernel.runnable_variants() or cpukernel.switched_off():
         return []
-    builds = [threading.Thread(target=get, daemon=True) for get in (quant.kernels, cpukernel.kernel)]
+    builds = [threading.Thread(target=_quietly, args=(get,), daemon=True)
+              for get in (quant.kernels, cpukernel.kernel)]
     for b in builds:
         b.start()
     return builds
+
+
+def _quietly(get) -> None:
+    """Run `get` in a prebuild thread: a kernel refused there (`cachefs.UnsafeCache`) is refused again, as one
+    error line, by the load's own call."""
+    try:
+        get()
+    except GooseError:
+        pass
 
 
 def _dequantize(gguf: Path, target: Path) -> None:
@@ -165,9 +184,11 @@ def file_sha256(path: Path) -> str:
 
 
 def _read_memo(path: Path) -> dict:
+    """The remembered hashes, or none when the file is missing or damaged (`cachefs.read_entry`)."""
+    data = cachefs.read_entry(path)
     try:
-        memo = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        memo = json.loads(data) if data is not None else {}
+    except ValueError:
         return {}
     return {k: v for k, v in memo.items() if isinstance(v, str)} if isinstance(memo, dict) else {}
 
