@@ -148,10 +148,10 @@ def test_vllm_series_count_what_the_responses_say(client, url, setup):
     wait_idle(engine)
     before = scrape(url)
     got = []
-    for i in range(5):  # distinct prompts (the prefix cache keeps 0.02 MiB: they evict each other)
+    for i in range(5):  # distinct prompts of one tenant (the prefix cache keeps 0.02 MiB: they evict each other)
         prompt = PROMPT if i == 1 else [(t * (i + 3)) % 5000 + 10 for t in range(1, 41)]  # PROMPT: a stop
         got.append(client.completions.create(model="tiny", prompt=prompt, max_tokens=8 + i, temperature=0,
-                                             extra_body={"ignore_eos": i % 2 == 0}))
+                                             user="series", extra_body={"ignore_eos": i % 2 == 0}))
     wait_idle(engine)
     after = scrape(url)
 

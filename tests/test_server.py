@@ -84,14 +84,16 @@ def test_models_and_health(client, url):
 
 
 def test_a_repeated_system_prompt_is_prefilled_once(client, worded):
-    """The second request with the same long system prompt takes its keys and values from the engine's prefix
-    cache (usage.prompt_tokens_details.cached_tokens) and still answers exactly the greedy tokens."""
+    """The second request of a tenant with the same long system prompt takes its keys and values from the
+    engine's prefix cache (usage.prompt_tokens_details.cached_tokens) and still answers exactly the greedy
+    tokens."""
     _, tok = worded
     system = "You are a careful assistant. Answer in one short sentence, and never use lists. " * 3
     answers = []
     for question in ("What is a goose?", "What is a duck?"):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                           user="prefix-test")
         ids = encode_chat(tok, messages)
         assert r.model_extra["goose"]["completion_token_ids"] == greedy_text(worded, ids, 12)[0]
         answers.append((len(ids), r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))

@@ -25,7 +25,8 @@ pytest.importorskip("fastapi")
 from conftest import TINY_EOS, hf_greedy, make_tiny_llama  # noqa: E402
 from goose import Engine, GooseError  # noqa: E402
 from goose.engine import scheduler  # noqa: E402
-from goose.server.app import MAX_STOP_CHARS, ApiError, Serving, TextEmitter  # noqa: E402
+from goose.engine.output import MAX_STOP_BYTES  # noqa: E402
+from goose.server.app import ApiError, Serving, TextEmitter  # noqa: E402
 from goose.server.schema import CompletionRequest  # noqa: E402
 from serving import TIMEOUT, live_server, raw  # noqa: E402
 
@@ -180,6 +181,98 @@ def test_goose_serve_exits_nonzero_when_its_engine_fails_twice(worded, tmp_path,
     assert not server.is_alive() and rc == [1] and fault.fired == 2
 
 
+class BlockingForward:
+    """A forward whose `run` waits while `gate` is closed (a step loop stuck inside its forward)."""
+
+    def __init__(self, forward) -> None:
+        self._forward = forward
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gate.set()
+
+    def __getattr__(self, name):
+        return getattr(self._forward, name)
+
+    def run(self, segments):
+        self.entered.set()
+        assert self.gate.wait(2 * TIMEOUT)
+        return self._forward.run(segments)
+
+
+def health(base: str) -> tuple[int, dict]:
+    status, _, body = raw(base, "GET", "/health")
+    return status, json.loads(body)
+
+
+def test_health_reports_a_step_loop_stuck_in_its_forward(worded):
+    """/health answers 503 once requests run and no step finished for stall_s seconds, and 200 again when
+    steps go on; an idle engine is never stuck, however long ago its last step was."""
+    from goose.decoding import default_forward
+
+    model, tok = worded
+    forward = BlockingForward(default_forward(model))
+    eng = Engine(model, tok, "ar", max_batch=1, forward=forward)
+    body = {"model": "tiny", "prompt": "a b c", "max_tokens": 6, "temperature": 0}
+    try:
+        with live_server(eng, stall_s=2.0) as base:
+            assert raw(base, "POST", "/v1/completions", body)[0] == 200 and eng.last_step_at is not None
+            time.sleep(2.5)  # idle for longer than stall_s
+            assert health(base)[0] == 200
+            forward.gate.clear()
+            forward.entered.clear()
+            answer: dict = {}
+            sender = threading.Thread(target=lambda: answer.update(r=raw(base, "POST", "/v1/completions", body)))
+            sender.start()
+            assert forward.entered.wait(TIMEOUT)
+            assert health(base)[0] == 200  # stuck for less than stall_s so far
+            status, why = wait_for(lambda: (lambda h: h if h[0] == 503 else None)(health(base)), what="503")
+            assert "stuck" in why["reason"] and "1 request(s) run" in why["reason"]
+            forward.gate.set()
+            sender.join(TIMEOUT)
+            assert answer["r"][0] == 200 and health(base)[0] == 200
+    finally:
+        forward.gate.set()
+        eng.close(timeout=10, cancel=True)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "inf", "soon"])
+def test_the_stall_timeout_is_a_positive_number_of_seconds(value, capsys):
+    from goose.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--stall-timeout", value])
+    assert info.value.code == 2 and "--stall-timeout" in capsys.readouterr().err
+    with pytest.raises(GooseError, match="stall_s"):
+        Serving(None, "tiny", stall_s=0)
+
+
+def test_a_failed_watcher_shows_in_health_and_the_log(worded, caplog):
+    """The watcher fails while replacing a failed engine (closing the old one raises): /health answers 503
+    naming it from then on, and the failure is logged."""
+    model, tok = worded
+    built: list = []
+    eng = Engine(model, tok, "ar", max_batch=1)
+    real_close = eng.close
+
+    def broken_close(timeout=None, cancel=False):
+        raise RuntimeError("closing broke")
+
+    def restart():
+        built.append(Engine(model, tok, "ar", max_batch=1))
+        return built[-1]
+
+    eng.close = broken_close
+    fail_next_step(eng, Fault())
+    try:
+        with live_server(eng, restart=restart) as base:
+            assert raw(base, "POST", "/v1/completions", {"model": "tiny", "prompt": "a b c", "max_tokens": 8})[0] == 500
+            status, why = wait_for(lambda: (lambda h: h if "watcher" in h[1].get("reason", "") else None)(
+                health(base)), what="the watcher's failure")
+            assert status == 503 and "RuntimeError: closing broke" in why["reason"] and built
+            assert any("watcher failed" in r.getMessage() for r in caplog.records)
+    finally:
+        real_close(timeout=10, cancel=True)
+
+
 # ---- the event loop and the engine's thread --------------------------------------------------------------
 
 def test_the_engine_thread_never_waits_for_the_event_loop(worded):
@@ -285,7 +378,7 @@ MSG = b'"messages": [{"role": "user", "content": "hi"}]'
     (b'{"model": "tiny", ' + MSG + b', "x": ' + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}", "nested", None),
     (b"null", "JSON object", None),
     (b"", "not valid JSON", None),
-    (b'{"model": "tiny", ' + MSG + b', "stop": ["' + b"s" * (MAX_STOP_CHARS + 1) + b'"]}', "at most", "stop"),
+    (b'{"model": "tiny", ' + MSG + b', "stop": ["' + b"s" * (MAX_STOP_BYTES + 1) + b'"]}', "at most", "stop"),
     (b'{"model": "tiny", ' + MSG + b', "stop": ["a", "b", "c", "d", "e"]}', "at most 4", "stop"),
 ])
 def test_hostile_bodies_get_a_400_with_openai_error_json(worded, body, needle, param):

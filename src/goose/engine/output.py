@@ -76,7 +76,9 @@ class StopStrings:
         return any(tail.find(s, skip) >= 0 for s in self.stops)
 
     def window(self, tokens: list[int]) -> int:
-        """Index of the window's first token (0: the whole output)."""
+        """Index of the window's first token (0: the whole output): tokens before the last one adding at least
+        `need` bytes, but at most `need` + SILENT_TOKENS of them (tokens that decode to no text, such as
+        special ones, add none)."""
         i, covered = max(len(tokens) - 1, 0), 0
         floor = max(0, i - self.need - SILENT_TOKENS)
         while covered < self.need and i > floor:

@@ -11,7 +11,9 @@ that goes away cancels its request (its slot is freed at the next step boundary)
 FastAPI router over it. The engine's thread never waits for the event loop (blocks are handed over with
 ``call_soon_threadsafe``) and prompts are tokenized on worker threads. When the engine fails, ``/health``
 answers 503 with the reason and the server builds a new engine (``restart``) once; when that one fails too,
-the server stops with exit status 1, for a supervisor to act on (docs/reliability.md).
+the server stops with exit status 1, for a supervisor to act on (docs/reliability.md). ``/health`` also answers
+503 while the step loop is stuck (requests wait or run and no step finished for ``stall_s`` seconds) and once
+the watcher that restarts engines has itself failed.
 """
 
 from __future__ import annotations
@@ -41,7 +43,10 @@ from ..config import DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB
 from ..decoding import encode_chat
 from ..drafting.tree import BRANCH, SPINE
 from ..engine.methods import METHODS
+from ..engine.output import MAX_STOP_BYTES
 from ..errors import GooseError
+from .cli import STALL_S
+from .keys import ApiKeys, Key
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatCompletionRequest, CompletionRequest
 
@@ -50,9 +55,8 @@ log = logging.getLogger("goose.server")
 STATIC = Path(__file__).parent / "static"
 SOURCE_NAMES = {SPINE: "spine", BRANCH: "branch"}  # anything else is the target's own token: "bonus"
 POLL_S = 0.05  # how often a waiting handler checks for a finished request or a gone client
-WATCH_S = 0.1  # how often the server checks whether its engine failed
-MAX_STOPS = 4  # stop sequences per request (as OpenAI)
-MAX_STOP_CHARS = 256  # characters per stop sequence
+WATCH_S = 0.1  # how often the server checks whether its engine failed or is idle
+MAX_STOPS = 4  # stop sequences per request (as OpenAI; each of at most MAX_STOP_BYTES bytes of UTF-8)
 MAX_JSON_DEPTH = 32  # nesting levels of a request body
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # Host names a loopback server answers by default
 
@@ -129,22 +133,26 @@ def host_name(host: str) -> str:
 
 
 def check_stops(stops: list[str]) -> None:
-    """400 unless there are at most MAX_STOPS stop strings of at most MAX_STOP_CHARS characters each."""
+    """400 unless there are at most MAX_STOPS stop strings of at most MAX_STOP_BYTES bytes of UTF-8 each."""
     if len(stops) > MAX_STOPS:
         raise ApiError(400, f"at most {MAX_STOPS} stop sequences are allowed", param="stop")
     for s in stops:
-        if len(s) > MAX_STOP_CHARS:
-            raise ApiError(400, f"a stop sequence may have at most {MAX_STOP_CHARS} characters, got {len(s)}",
-                           param="stop")
+        size = len(s.encode("utf-8"))
+        if size > MAX_STOP_BYTES:
+            raise ApiError(400, f"a stop sequence may have at most {MAX_STOP_BYTES} bytes of UTF-8 "
+                                f"(MAX_STOP_BYTES), got {size}", param="stop")
 
 
-def tenant_of(api_key: str | None, user: str | None, cache_salt: str | None) -> str:
-    """The prefix-cache tenant of a request: a digest of its API key (when the server checks keys), its `user`
-    and its `cache_salt`; "" (the anonymous tenant, shared by all such requests) when it has none of them."""
-    parts = (api_key or "", user or "", cache_salt or "")
-    if not any(parts):
-        return ""
-    return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
+def tenant_of(key: Key | None, user: str | None, cache_salt: str | None) -> str | None:
+    """The tenant (prefix-cache and suffix-memory scope) of a request: a digest of its key's scope (when the
+    server checks keys), its `user` and its `cache_salt`; None when it names no tenant (its key names none in
+    the key file, and it sends no `user` nor `cache_salt`): such a request is private, it reuses nothing
+    stored by another and leaves nothing for another. A key alone names a tenant only through the key file;
+    `user` and `cache_salt` scope further inside the key's scope (they are not authentication)."""
+    if (key is None or key.tenant is None) and not user and not cache_salt:
+        return None
+    parts = [key.scope if key else "", user or "", cache_salt or ""]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
 def parse_json(raw: bytes):
@@ -282,20 +290,6 @@ class TextEmitter:
         return best
 
 
-def stop_checker(decode, stops: list[str]):
-    """The engine's `stop(tokens)`: True once the text of the last tokens holds a stop string (stop strings are
-    at most MAX_STOP_CHARS long, so this decodes at most that many tokens, however long the output)."""
-    if not stops:
-        return None
-    n = max(len(s) for s in stops) + 4  # every token decodes to at least one character (special ones aside)
-
-    def stop(tokens: list[int]) -> bool:
-        tail = decode(tokens[-n:])
-        return any(s in tail for s in stops)
-
-    return stop
-
-
 class _EngineView:
     """The serving engine as the metrics see it: always the current one (across restarts), with step counts
     summed over every engine this server ran."""
@@ -327,16 +321,24 @@ class Serving:
     """One server's state and request handling: the engine (replaced by `restart()` once it fails, up to
     `max_restarts` times), the settings and the metrics. `create_app` routes HTTP requests here."""
 
-    def __init__(self, engine, model_name: str, *, api_key: str | None = None, metrics_key: str | None = None,
-                 default_max_tokens: int = 512, restart=None, max_restarts: int = 1, on_fatal=None) -> None:
+    def __init__(self, engine, model_name: str, *, api_key: str | None = None, api_keys: ApiKeys | None = None,
+                 metrics_key: str | None = None, default_max_tokens: int = 512, restart=None,
+                 max_restarts: int = 1, on_fatal=None, hide_sources: bool = False,
+                 stall_s: float = STALL_S) -> None:
+        if not stall_s > 0:
+            raise GooseError(f"stall_s must be > 0 seconds, got {stall_s}")
         self.engine, self.model_name = engine, model_name
-        self.api_key, self.metrics_key = api_key, metrics_key
+        self.keys = all_keys(api_key, api_keys)  # None: /v1 is open
+        self.metrics_key = metrics_key
         self.default_max_tokens = default_max_tokens
+        self.hide_sources, self.stall_s = hide_sources, stall_s
         self.restart, self.max_restarts, self.on_fatal = restart, max_restarts, on_fatal
         self.restarts = 0
         self.restarting = False
         self.fatal: str | None = None  # the engine failed and will not be restarted: the server must stop
         self.last_failure: str | None = None
+        self.watch_failure: str | None = None  # why the watcher (`watch`) stopped: no restart will come
+        self.idle_at = time.monotonic()  # when the watcher last saw the engine with no request
         self.started_engines: list = []  # engines this server built (it closes them)
         tok = engine.tokenizer
         self.tok = tok
@@ -358,46 +360,76 @@ class Serving:
     def can_restart(self) -> bool:
         return self.restart is not None and self.restarts < self.max_restarts
 
+    def stall(self) -> str | None:
+        """Why the step loop looks stuck (None: it does not): requests wait or run, and no step finished for
+        `stall_s` seconds since the later of the last step and the moment the watcher last saw no request."""
+        running, waiting = self.engine.load()
+        if not running and not waiting:
+            return None
+        last_step = self.engine.last_step_at  # None before the first step
+        quiet = time.monotonic() - (self.idle_at if last_step is None else max(self.idle_at, last_step))
+        if quiet <= self.stall_s:
+            return None
+        return (f"the engine's step loop is stuck: no step finished for {quiet:.0f} s while {running} request(s) "
+                f"run and {waiting} wait (stall timeout {self.stall_s:g} s)")
+
     async def watch(self) -> None:
-        """Until cancelled: when the engine has failed, build a new one (once per `max_restarts`); when it
-        may not, record the failure as fatal and call `on_fatal` (the server stops, exit status 1)."""
-        while True:
-            await asyncio.sleep(WATCH_S)
-            failure = self.engine.failure
-            if failure is None or self.fatal is not None:
-                continue
-            self.last_failure = failure
-            if not self.can_restart():
-                self.fatal = f"the engine failed ({failure}) after {self.restarts} restart(s)"
-                log.critical("%s: stopping the server", self.fatal)
-                if self.on_fatal is not None:
-                    self.on_fatal(self.fatal)
-                continue
-            log.error("the engine failed (%s): restarting it (%d of %d)", failure, self.restarts + 1,
-                      self.max_restarts)
-            self.restarting = True
-            try:
-                new = await asyncio.to_thread(self.restart)
-            except Exception as exc:
-                self.restarting = False
-                self.fatal = f"the engine failed ({failure}) and restarting it failed ({type(exc).__name__}: {exc})"
-                log.critical("%s: stopping the server", self.fatal, exc_info=exc)
-                if self.on_fatal is not None:
-                    self.on_fatal(self.fatal)
-                continue
-            old = self.engine
-            self._view.retire(old)
-            self.started_engines.append(new)
-            self.engine, self.restarts, self.restarting = new, self.restarts + 1, False
-            await asyncio.to_thread(old.close, 0)
+        """Until cancelled, every WATCH_S seconds: note when the engine has no request (for `stall`), and
+        rebuild a failed engine (`recover`). When the watcher itself fails, `watch_failure` says why (and
+        /health answers 503 with it): no failed engine would be rebuilt any more."""
+        try:
+            while True:
+                await asyncio.sleep(WATCH_S)
+                if self.engine.load() == (0, 0):
+                    self.idle_at = time.monotonic()
+                await self.recover()
+        except Exception as exc:
+            self.watch_failure = f"{type(exc).__name__}: {exc}"
+            log.critical("the engine watcher failed (%s): a failed engine will not be rebuilt", self.watch_failure,
+                         exc_info=exc)
+
+    async def recover(self) -> None:
+        """When the engine has failed, build a new one (once per `max_restarts`); when it may not, record the
+        failure as fatal and call `on_fatal` (the server stops, exit status 1)."""
+        failure = self.engine.failure
+        if failure is None or self.fatal is not None:
+            return
+        self.last_failure = failure
+        if not self.can_restart():
+            self.fatal = f"the engine failed ({failure}) after {self.restarts} restart(s)"
+            log.critical("%s: stopping the server", self.fatal)
+            if self.on_fatal is not None:
+                self.on_fatal(self.fatal)
+            return
+        log.error("the engine failed (%s): restarting it (%d of %d)", failure, self.restarts + 1, self.max_restarts)
+        self.restarting = True
+        try:
+            new = await asyncio.to_thread(self.restart)
+        except Exception as exc:
+            self.restarting = False
+            self.fatal = f"the engine failed ({failure}) and restarting it failed ({type(exc).__name__}: {exc})"
+            log.critical("%s: stopping the server", self.fatal, exc_info=exc)
+            if self.on_fatal is not None:
+                self.on_fatal(self.fatal)
+            return
+        old = self.engine
+        self._view.retire(old)
+        self.started_engines.append(new)
+        self.engine, self.restarts, self.restarting = new, self.restarts + 1, False
+        self.idle_at = time.monotonic()
+        await asyncio.to_thread(old.close, 0)
 
     # ---- access --------------------------------------------------------------------------------------
     def authorized(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        if not _bearer_is(request, self.api_key):
+        if self.keys is not None and self.key_of(request) is None:
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
+
+    def key_of(self, request: Request | None) -> Key | None:
+        """The accepted key a request sent (None: none, or the server checks no keys)."""
+        if self.keys is None or request is None:
+            return None
+        return self.keys.lookup(_bearer(request))
 
     def metrics_allowed(self, request: Request) -> None:
         """/metrics: with a metrics key, only for that key; else, when an API key is set, only from loopback
@@ -406,7 +438,7 @@ class Serving:
             if not _bearer_is(request, self.metrics_key):
                 raise ApiError(401, "invalid or missing metrics key (send 'Authorization: Bearer <metrics key>')",
                                code="invalid_api_key")
-        elif self.api_key is not None:
+        elif self.keys is not None:
             client = request.client.host if request.client else ""
             if client not in LOOPBACK_HOSTS and not client.startswith("127."):
                 raise ApiError(403, "/metrics is served to loopback clients only (set --metrics-key to read it "
@@ -415,6 +447,10 @@ class Serving:
     # ---- plain endpoints -------------------------------------------------------------------------------
     def health(self) -> JSONResponse:
         why = self.engine_failure()
+        if why is None and self.watch_failure is not None:
+            why = f"the engine watcher failed ({self.watch_failure}); a failed engine would not be rebuilt"
+        if why is None:
+            why = self.stall()
         if why is not None:
             return JSONResponse({"status": "error", "reason": why, "model": self.model_name,
                                  "restarts": self.restarts}, 503)
@@ -500,12 +536,12 @@ class Serving:
             sources = list(box[0].new_sources) if box else []
             loop.call_soon_threadsafe(sink.put_nowait, (list(block), sources))
 
-        tenant = tenant_of(self.api_key and _bearer(http), body.user, getattr(body, "cache_salt", None))
+        tenant = tenant_of(self.key_of(http), body.user, getattr(body, "cache_salt", None))
         engine = self.engine
 
         def queue_it():  # on a worker thread, so `box` is filled without the event loop
-            req = engine.submit(ids, max_new, False, method=method, on_tokens=on_tokens, tenant=tenant,
-                                private_memory=not tenant, stop=stop_checker(self.decode, body.stop), **options)
+            req = engine.submit(ids, max_new, False, method=method, on_tokens=on_tokens, tenant=tenant or "",
+                                private=tenant is None, stop=body.stop or None, **options)
             box.append(req.slot)
             ready.set()
             return req
@@ -542,14 +578,18 @@ class Serving:
                     yield sink.get_nowait()
                 return
 
-    @staticmethod
-    def goose_info(req) -> dict:
+    def goose_info(self, req) -> dict:
+        """A response's `goose` object; without the draft sources' counts (`accepted`, `drafted`) when the
+        server hides them."""
         st = req.slot.stats
-        return {"method": req.method,
+        info = {"method": req.method,
                 "tau": round(st.tau, 4), "forward_calls": st.forward_calls,
                 "accepted": dict(st.accepted), "drafted": dict(st.drafted),
                 "ttft_s": req.ttft_s, "tpot_s": req.tpot_s, "tokens_per_s": round(st.tokens_per_s, 3),
                 "completion_token_ids": list(req.slot.out)}
+        if self.hide_sources:
+            del info["accepted"], info["drafted"]
+        return info
 
     @staticmethod
     def usage(req) -> dict:
@@ -613,7 +653,7 @@ class Serving:
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         emitter = TextEmitter(self.decode, body.stop)
-        want_sources = bool(body.sources)
+        want_sources = bool(body.sources) and not self.hide_sources
         model_name = self.model_name
 
         def chunk(content: str | None, reason: str | None = None, role: bool = False, extra: dict | None = None):
@@ -676,6 +716,14 @@ class Serving:
                 self.metrics.requests.labels(endpoint, "cancelled").inc()
 
 
+def all_keys(api_key: str | None, api_keys: ApiKeys | None) -> ApiKeys | None:
+    """The keys a server accepts: a key file's (`api_keys`) or the single `api_key`, which names no tenant
+    (None: neither, /v1 is open)."""
+    if api_key is not None and api_keys is not None:
+        raise GooseError("give one API key or a key file's keys, not both")
+    return ApiKeys({api_key: None}) if api_key is not None else api_keys
+
+
 def _bearer(request: Request) -> str:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     return token.strip() if scheme.lower() == "bearer" else ""
@@ -685,21 +733,24 @@ def _bearer_is(request: Request, key: str) -> bool:
     return secrets.compare_digest(_bearer(request).encode("utf-8", "surrogatepass"), key.encode())
 
 
-def create_app(engine, model_name: str, *, api_key: str | None = None, metrics_key: str | None = None,
-               allowed_hosts=LOOPBACK_HOSTS, max_body_bytes: int = 1 << 20, default_max_tokens: int = 512,
-               drain_timeout: float = 30.0, close_engine: bool = True, restart=None, max_restarts: int = 1,
-               on_fatal=None) -> FastAPI:
+def create_app(engine, model_name: str, *, api_key: str | None = None, api_keys: ApiKeys | None = None,
+               metrics_key: str | None = None, allowed_hosts=LOOPBACK_HOSTS, max_body_bytes: int = 1 << 20,
+               default_max_tokens: int = 512, drain_timeout: float = 30.0, close_engine: bool = True,
+               restart=None, max_restarts: int = 1, on_fatal=None, hide_sources: bool = False,
+               stall_s: float = STALL_S) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name` (the state and handlers are a `Serving`, at
-    ``app.state.serving``). `api_key`: bearer token /v1 requires (None: none); `metrics_key`: bearer token
-    /metrics requires (None: /metrics is open, or loopback-only when `api_key` is set); `allowed_hosts`: Host
-    header names served (None: any); `default_max_tokens`: a chat request's limit when it gives none
-    (completions: 16, as OpenAI); `restart()`: builds a new engine when the engine fails, at most
-    `max_restarts` times (None: no restart); after that `on_fatal(reason)` is called; `close_engine`: on
-    shutdown, close the engine, letting running requests finish for `drain_timeout` s (engines built by
-    `restart` are always closed)."""
-    srv = Serving(engine, model_name, api_key=api_key, metrics_key=metrics_key,
+    ``app.state.serving``). `api_key`: bearer token /v1 requires (None: none), or `api_keys`: the tokens of a
+    key file (`goose.server.keys`); `metrics_key`: bearer token /metrics requires (None: /metrics is open, or
+    loopback-only when keys are set); `allowed_hosts`: Host header names served (None: any);
+    `default_max_tokens`: a chat request's limit when it gives none (completions: 16, as OpenAI); `restart()`:
+    builds a new engine when the engine fails, at most `max_restarts` times (None: no restart); after that
+    `on_fatal(reason)` is called; `close_engine`: on shutdown, close the engine, letting running requests
+    finish for `drain_timeout` s (engines built by `restart` are always closed); `hide_sources`: responses
+    and streams carry no draft sources (`sources` pieces, `accepted` / `drafted` counts); `stall_s`: /health
+    answers 503 when requests wait or run and no step finished for this many seconds."""
+    srv = Serving(engine, model_name, api_key=api_key, api_keys=api_keys, metrics_key=metrics_key,
                   default_max_tokens=default_max_tokens, restart=restart, max_restarts=max_restarts,
-                  on_fatal=on_fatal)
+                  on_fatal=on_fatal, hide_sources=hide_sources, stall_s=stall_s)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -805,12 +856,14 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
           default_max_tokens: int = 512, log_level: str = "info", weights: str | None = None,
           prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, metrics_key: str | None = None,
           allowed_hosts=None, max_restarts: int = 1, memory_mb: float = DEFAULT_MEMORY_MB,
-          arith: str = "exact") -> int:
+          arith: str = "exact", api_keys: ApiKeys | None = None, hide_sources: bool = False,
+          stall_s: float = STALL_S) -> int:
     """Load `model`, start an Engine and serve it until SIGINT / SIGTERM (running requests get `drain_timeout`
     seconds to finish). A failed engine is rebuilt up to `max_restarts` times; after that the server stops.
-    `allowed_hosts` None: the loopback names when `host` is a loopback address, else any host. Returns the
-    exit status: 0, or 1 when the server stopped because its engine failed (uvicorn itself exits with status
-    1 or 3 when it cannot start, e.g. on a taken port)."""
+    `allowed_hosts` None: the loopback names when `host` is a loopback address, else any host; `api_keys`,
+    `hide_sources`, `stall_s`: as `create_app`'s. Returns the exit status: 0, or 1 when the server stopped
+    because its engine failed (uvicorn itself exits with status 1 or 3 when it cannot start, e.g. on a taken
+    port)."""
     import uvicorn
 
     from ..engine.scheduler import Engine
@@ -832,10 +885,10 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
     def fatal(reason: str) -> None:
         server_box[0].should_exit = True
 
-    app = create_app(build(), served_name or Path(model).name, api_key=api_key, metrics_key=metrics_key,
-                     allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes,
+    app = create_app(build(), served_name or Path(model).name, api_key=api_key, api_keys=api_keys,
+                     metrics_key=metrics_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes,
                      default_max_tokens=default_max_tokens, drain_timeout=drain_timeout, restart=build,
-                     max_restarts=max_restarts, on_fatal=fatal)
+                     max_restarts=max_restarts, on_fatal=fatal, hide_sources=hide_sources, stall_s=stall_s)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=drain_timeout))
     server_box.append(server)

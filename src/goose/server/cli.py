@@ -6,6 +6,10 @@ import argparse
 
 from ..cliargs import add_model_args, int_in, method_name, positive_int, prefix_cache_mb
 from ..config import DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB, EngineConfig
+from .keys import MAX_KEY_CHARS, MAX_KEY_LINES, MAX_TENANT_CHARS, read_key_file
+
+# seconds without a finished step, while requests wait or run, after which /health answers 503 (--stall-timeout)
+STALL_S = 60.0
 
 _port = int_in(1, 65535)
 _non_negative_int = int_in(0)
@@ -42,14 +46,37 @@ def _memory_mb(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc) if "memory_mb" in str(exc) else f"expected a number, got '{text}'")
 
 
+def _seconds(text: str) -> float:
+    """A number of seconds > 0 (finite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got '{text}'") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def api_keys(args):
+    """(the single API key, or None; a key file's keys, or None) of `goose serve`'s arguments. GooseError for
+    both --api-key and --api-key-file, or a malformed key file."""
+    from ..errors import GooseError
+
+    if args.api_key_file is None:
+        return secret(args.api_key, None, "GOOSE_API_KEY", "API key"), None
+    if args.api_key is not None:
+        raise GooseError("give the API key with its flag or its file, not both")
+    return None, read_key_file(args.api_key_file)
+
+
 def cmd_serve(args) -> int:
     import sys
 
     from .app import serve
 
-    api_key = secret(args.api_key, args.api_key_file, "GOOSE_API_KEY", "API key")
+    api_key, keys = api_keys(args)
     metrics_key = secret(args.metrics_key, args.metrics_key_file, "GOOSE_METRICS_KEY", "metrics key")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key and not keys:
         print(f"goose: warning: serving on {args.host} without an API key: anyone who reaches it can use it",
               file=sys.stderr)
     hosts = None if args.allowed_hosts is None else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
@@ -58,7 +85,8 @@ def cmd_serve(args) -> int:
                  max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
                  weights=getattr(args, "weights", None), arith=args.arith, prefix_cache_mb=args.prefix_cache_mb,
                  metrics_key=metrics_key, allowed_hosts=hosts, max_restarts=args.max_restarts,
-                 memory_mb=args.memory_mb)
+                 memory_mb=args.memory_mb, api_keys=keys, hide_sources=args.hide_draft_sources,
+                 stall_s=args.stall_timeout)
 
 
 def cmd_bench_serve(args) -> int:
@@ -82,10 +110,20 @@ def register(sub) -> None:
                         f"them (a shared system prompt, earlier turns); 0 = off (default {DEFAULT_PREFIX_CACHE_MB})")
     s.add_argument("--memory-mb", type=_memory_mb, default=DEFAULT_MEMORY_MB,
                    help="room for earlier requests' prompts and outputs that goose drafts from, one memory per "
-                        f"tenant (API key, user, cache_salt); 0 = off (default {DEFAULT_MEMORY_MB})")
+                        f"tenant (key file tenant, user, cache_salt); 0 = off (default {DEFAULT_MEMORY_MB})")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints (visible "
                    "to other local users in the process list: prefer --api-key-file or GOOSE_API_KEY)")
-    s.add_argument("--api-key-file", default=None, help="read the API key from the first line of this file")
+    s.add_argument("--api-key-file", default=None,
+                   help=f"accept the keys of this file: one 'KEY [TENANT]' per line (# comments; at most "
+                        f"{MAX_KEY_LINES:,} lines, keys of up to {MAX_KEY_CHARS} characters, tenants of up to "
+                        f"{MAX_TENANT_CHARS}); a key's tenant shares the prefix cache and suffix memory of its "
+                        "requests")
+    s.add_argument("--hide-draft-sources", action="store_true",
+                   help="responses and streams carry no draft sources (the 'sources' pieces, goose.accepted and "
+                        "goose.drafted)")
+    s.add_argument("--stall-timeout", type=_seconds, default=STALL_S,
+                   help="/health answers 503 when requests wait or run and no engine step finished for this "
+                        f"many seconds (default {STALL_S:g})")
     s.add_argument("--metrics-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /metrics (also --metrics-key-file, GOOSE_METRICS_KEY); "
                         "without it, /metrics is open, or loopback clients only when an API key is set")

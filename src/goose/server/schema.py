@@ -9,8 +9,9 @@ gets silently different behaviour from what it asked for. goose's own request fi
 - ``sources``: stream each chunk with a ``goose`` object holding the text pieces and the draft source of
   their tokens (``spine``, ``branch`` or ``bonus``), tokens so far and forward calls (the playground uses it).
 - ``top_k``: as in vLLM.
-- ``cache_salt``: as in vLLM: requests share stored prompt prefixes only with requests of the same salt (and
-  the same API key and ``user``; docs/serving.md, "Tenants").
+- ``cache_salt``: as in vLLM: requests share stored prompt prefixes (and the suffix memory) only with
+  requests of the same salt, key scope and ``user``; a scope, not authentication (docs/serving.md,
+  "Tenants").
 
 Extension fields of vLLM's API that vLLM-compatible clients and benchmark tools send, accepted where goose
 honours them exactly (docs/serving.md, "vLLM-compatible clients and dashboards"):
