@@ -282,3 +282,16 @@ def test_cache_path_and_clear(tmp_path, monkeypatch, capsys):
     assert main(["cache", "path"]) == 0 and capsys.readouterr().out == f"{root}\n"
     assert main(["cache", "clear"]) == 0 and list(root.iterdir()) == []
     assert main(["cache", "verify"]) == 0 and "0 entries" in capsys.readouterr().out
+
+
+def test_an_altered_cost_curve_is_measured_again_not_used(cache):
+    """A curve edited in place (still a valid curve) fails its digest: it is never priced with."""
+    from goose.engine.measure import _read_curve
+    from goose.selection.costmodel import CostCurve
+
+    path = cache / "cost" / "curve.json"
+    good = CostCurve((1, 2, 4), (1.0, 1.2, 1.5))
+    cachefs.write_bytes(path, json.dumps(good.to_json()).encode())
+    assert _read_curve(path).ms == good.ms
+    path.write_text(json.dumps(CostCurve((1, 2, 4), (1.0, 9.0, 9.5)).to_json()))
+    assert _read_curve(path) is None

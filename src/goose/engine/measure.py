@@ -175,10 +175,13 @@ def starved(forward, curve: CostCurve) -> float | None:
 
 
 def _read_curve(path: Path) -> CostCurve | None:
-    """The curve stored at `path`, or None when it is missing or not a valid curve (then it is measured
-    again and replaced)."""
+    """The curve stored at `path`, or None when it is missing, fails its digest (`cachefs.read_entry`) or is
+    not a valid curve (then it is measured again and replaced)."""
+    data = cachefs.read_entry(path)
+    if data is None:
+        return None
     try:
-        curve = CostCurve.from_json(json.loads(path.read_text(encoding="utf-8")))
+        curve = CostCurve.from_json(json.loads(data.decode("utf-8")))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     if not all(math.isfinite(m) and m > 0 for m in curve.ms) or curve.sizes[0] < 1:
