@@ -145,3 +145,19 @@ def test_prefix_tenants_are_capped_and_an_eviction_reads_no_other_block(model32,
     full.store(tokens, cache, tenant="new")
     assert len(seen) == 2 and all(n.tenant == "t200" for n in seen)  # the least recently used tenant's blocks
     assert full.attach(tokens + [1], fwd.new_cache(), tenant="new") == 2 * BLOCK
+
+
+def test_serve_passes_its_engine_settings_as_one_engine_config(monkeypatch):
+    from goose.cli import main
+    from goose.config import EngineConfig
+    from goose.server import app
+
+    seen = {}
+    monkeypatch.setattr(app, "serve", lambda *a, **kw: seen.update(args=a, kw=kw) or 0)
+    assert main(["serve", "--model", "smollm2-135m", "--max-tenants", "7", "--memory-mb", "3", "--max-batch", "2",
+                 "--prefix-cache-mb", "5"]) == 0
+    cfg = seen["args"][4]
+    assert cfg == EngineConfig(max_batch=2, max_queue=64, prefix_cache_mb=5, memory_mb=3, max_tenants=7)
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--max-tenants", "0"])
+    assert exc.value.code == 2

@@ -316,6 +316,9 @@ class ProposerConfig:
 
 DEFAULT_PREFIX_CACHE_MB = 256  # Engine(prefix_cache_mb=...), goose serve / bench --prefix-cache-mb
 DEFAULT_MEMORY_MB = 64  # Engine / Decoder(memory_mb=...), goose serve --memory-mb: the cross-request suffix memory
+# goose serve --stall-timeout: seconds without a finished step, while requests wait or run, after which /health
+# answers 503
+DEFAULT_STALL_S = 60.0
 DEFAULT_MAX_TENANTS = 10_000  # Engine(max_tenants=...), goose serve --max-tenants: per memory pool and prefix cache
 
 

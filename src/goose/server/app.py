@@ -39,13 +39,13 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from ..config import DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB
+from ..config import DEFAULT_STALL_S as STALL_S
+from ..config import EngineConfig
 from ..decoding import encode_chat
 from ..drafting.tree import BRANCH, SPINE
 from ..engine.methods import METHODS
 from ..engine.output import MAX_STOP_BYTES
-from ..errors import GooseError
-from .cli import STALL_S
+from ..errors import EngineClosed, GooseError, QueueFull
 from .keys import ApiKeys, Key
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatCompletionRequest, CompletionRequest
@@ -56,6 +56,7 @@ STATIC = Path(__file__).parent / "static"
 SOURCE_NAMES = {SPINE: "spine", BRANCH: "branch"}  # anything else is the target's own token: "bonus"
 POLL_S = 0.05  # how often a waiting handler checks for a finished request or a gone client
 WATCH_S = 0.1  # how often the server checks whether its engine failed or is idle
+SERVE_ENGINE = EngineConfig(max_queue=64)  # goose serve's engine settings unless told otherwise
 MAX_STOPS = 4  # stop sequences per request (as OpenAI; each of at most MAX_STOP_BYTES bytes of UTF-8)
 MAX_JSON_DEPTH = 32  # nesting levels of a request body
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # Host names a loopback server answers by default
@@ -548,12 +549,12 @@ class Serving:
 
         try:
             return await asyncio.to_thread(queue_it)
+        except QueueFull as exc:
+            raise ApiError(429, f"the server is busy: {exc}; retry later", "rate_limit_error",
+                           "queue_full", headers={"Retry-After": "1"}) from None
         except GooseError as exc:
             msg = str(exc)
-            if "queue is full" in msg:
-                raise ApiError(429, f"the server is busy: {msg}; retry later", "rate_limit_error",
-                               "queue_full", headers={"Retry-After": "1"}) from None
-            if "closed" in msg:
+            if isinstance(exc, EngineClosed):
                 why = self.engine_failure()
                 if why is not None or engine is not self.engine:
                     raise ApiError(503, f"the server cannot serve now: {why or 'the engine was restarted'}; retry "
@@ -850,16 +851,16 @@ def tune_malloc(arenas: int = MALLOC_ARENAS, mmap_threshold: int = MMAP_THRESHOL
         return False  # not glibc
 
 
-def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
-          max_queue: int = 64, api_key: str | None = None, dtype: str = "float32", device: str = "cpu",
-          served_name: str | None = None, drain_timeout: float = 30.0, max_body_bytes: int = 1 << 20,
-          default_max_tokens: int = 512, log_level: str = "info", weights: str | None = None,
-          prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, metrics_key: str | None = None,
-          allowed_hosts=None, max_restarts: int = 1, memory_mb: float = DEFAULT_MEMORY_MB,
+def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int = 8000,
+          engine_config: EngineConfig = SERVE_ENGINE, api_key: str | None = None, dtype: str = "float32",
+          device: str = "cpu", served_name: str | None = None, drain_timeout: float = 30.0,
+          max_body_bytes: int = 1 << 20, default_max_tokens: int = 512, log_level: str = "info",
+          weights: str | None = None, metrics_key: str | None = None, allowed_hosts=None, max_restarts: int = 1,
           arith: str = "exact", api_keys: ApiKeys | None = None, hide_sources: bool = False,
           stall_s: float = STALL_S) -> int:
-    """Load `model`, start an Engine and serve it until SIGINT / SIGTERM (running requests get `drain_timeout`
-    seconds to finish). A failed engine is rebuilt up to `max_restarts` times; after that the server stops.
+    """Load `model`, start an Engine with `engine_config` (`SERVE_ENGINE`: the engine's defaults with a queue
+    of 64) and serve it until SIGINT / SIGTERM (running requests get `drain_timeout` seconds to finish). A
+    failed engine is rebuilt up to `max_restarts` times; after that the server stops.
     `allowed_hosts` None: the loopback names when `host` is a loopback address, else any host; `api_keys`,
     `hide_sources`, `stall_s`: as `create_app`'s. Returns the exit status: 0, or 1 when the server stopped
     because its engine failed (uvicorn itself exits with status 1 or 3 when it cannot start, e.g. on a taken
@@ -873,8 +874,7 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
     net, tok = load_model(model, dtype, device, weights=weights, arith=arith)  # (the Engine takes its arith)
 
     def build():
-        return Engine(net, tok, method, max_batch=max_batch, max_queue=max_queue, prefix_cache_mb=prefix_cache_mb,
-                      memory_mb=memory_mb)
+        return Engine(net, tok, method, engine_config=engine_config)
 
     if allowed_hosts is None:
         allowed_hosts = LOOPBACK_HOSTS if host_name(host) in LOOPBACK_HOSTS or host.startswith("127.") else None

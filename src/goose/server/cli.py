@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 
 from ..cliargs import add_model_args, int_in, method_name, positive_int, prefix_cache_mb
-from ..config import DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB, EngineConfig
+from ..config import DEFAULT_MAX_TENANTS, DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB, EngineConfig
+from ..config import DEFAULT_STALL_S as STALL_S
 from .keys import MAX_KEY_CHARS, MAX_KEY_LINES, MAX_TENANT_CHARS, read_key_file
-
-# seconds without a finished step, while requests wait or run, after which /health answers 503 (--stall-timeout)
-STALL_S = 60.0
 
 _port = int_in(1, 65535)
 _non_negative_int = int_in(0)
@@ -80,13 +78,14 @@ def cmd_serve(args) -> int:
         print(f"goose: warning: serving on {args.host} without an API key: anyone who reaches it can use it",
               file=sys.stderr)
     hosts = None if args.allowed_hosts is None else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
-    return serve(args.model, args.method, args.host, args.port, args.max_batch, args.max_queue, api_key, args.dtype,
-                 args.device, served_name=args.served_model_name, drain_timeout=args.drain_timeout,
+    engine = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, prefix_cache_mb=args.prefix_cache_mb,
+                          memory_mb=args.memory_mb, max_tenants=args.max_tenants)
+    return serve(args.model, args.method, args.host, args.port, engine, api_key, args.dtype, args.device,
+                 served_name=args.served_model_name, drain_timeout=args.drain_timeout,
                  max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
-                 weights=getattr(args, "weights", None), arith=args.arith, prefix_cache_mb=args.prefix_cache_mb,
-                 metrics_key=metrics_key, allowed_hosts=hosts, max_restarts=args.max_restarts,
-                 memory_mb=args.memory_mb, api_keys=keys, hide_sources=args.hide_draft_sources,
-                 stall_s=args.stall_timeout)
+                 weights=getattr(args, "weights", None), arith=args.arith, metrics_key=metrics_key,
+                 allowed_hosts=hosts, max_restarts=args.max_restarts, api_keys=keys,
+                 hide_sources=args.hide_draft_sources, stall_s=args.stall_timeout)
 
 
 def cmd_bench_serve(args) -> int:
@@ -111,6 +110,9 @@ def register(sub) -> None:
     s.add_argument("--memory-mb", type=_memory_mb, default=DEFAULT_MEMORY_MB,
                    help="room for earlier requests' prompts and outputs that goose drafts from, one memory per "
                         f"tenant (key file tenant, user, cache_salt); 0 = off (default {DEFAULT_MEMORY_MB})")
+    s.add_argument("--max-tenants", type=positive_int, default=DEFAULT_MAX_TENANTS,
+                   help="tenants the suffix memory keeps, and tenants with blocks in the prefix cache (the least "
+                        f"recently used tenant goes first; default {DEFAULT_MAX_TENANTS:,})")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints (visible "
                    "to other local users in the process list: prefer --api-key-file or GOOSE_API_KEY)")
     s.add_argument("--api-key-file", default=None,
