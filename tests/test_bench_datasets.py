@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 import goose
-from goose.bench import datasets
+from goose.bench import datasets, questions
 from goose.bench.cli import parse_methods
 from goose.errors import GooseError
 
-SPEC_BENCH = datasets.SPEC_BENCH_FILE
+SPEC_BENCH = questions.SPEC_BENCH_FILE
 
 
 def test_humaneval_has_164_prompts():
@@ -37,8 +37,8 @@ def test_spec_bench_ships_inside_the_package_with_its_checksum(monkeypatch, tmp_
     path = datasets.spec_bench_file()
     assert path == SPEC_BENCH and path.is_file()
     assert path.is_relative_to(Path(goose.__file__).resolve().parent)
-    assert hashlib.sha256(path.read_bytes()).hexdigest() == datasets.SPEC_BENCH_SHA256
-    assert datasets.SPEC_BENCH_SHA256 in (path.parent / "NOTICE.md").read_text(encoding="utf-8")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == questions.SPEC_BENCH_SHA256
+    assert questions.SPEC_BENCH_SHA256 in (path.parent / "NOTICE.md").read_text(encoding="utf-8")
     qs = datasets.load("spec-bench")
     assert len(qs) == 480 and len({q.category for q in qs}) == 13
     assert {q.category for q in qs} == set(datasets.SPEC_BENCH_CATEGORIES)
@@ -64,13 +64,13 @@ def test_spec_bench_file_and_subsets(tmp_path):
 def test_a_changed_packaged_spec_bench_file_is_a_one_line_error(monkeypatch, tmp_path):
     bad = tmp_path / "question.jsonl"
     bad.write_bytes(SPEC_BENCH.read_bytes().replace(b"Hawaii", b"Hawai'i", 1))
-    monkeypatch.setattr(datasets, "SPEC_BENCH_FILE", bad)
+    monkeypatch.setattr(questions, "SPEC_BENCH_FILE", bad)
     for spec in ("spec-bench", "multiturn"):
         with pytest.raises(GooseError) as err:
             datasets.load(spec)
-        assert "sha256" in str(err.value) and datasets.SPEC_BENCH_SHA256 in str(err.value)
+        assert "sha256" in str(err.value) and questions.SPEC_BENCH_SHA256 in str(err.value)
         assert "\n" not in str(err.value)
-    monkeypatch.setattr(datasets, "SPEC_BENCH_FILE", tmp_path / "missing.jsonl")
+    monkeypatch.setattr(questions, "SPEC_BENCH_FILE", tmp_path / "missing.jsonl")
     with pytest.raises(GooseError, match="cannot be read"):
         datasets.load("gsm8k")
 

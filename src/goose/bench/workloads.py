@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from ..errors import GooseError
-from .datasets import MT_BENCH_CATEGORIES, Question, read_jsonl, spec_bench_file
+from .questions import MT_BENCH_CATEGORIES, Question, read_jsonl, spec_bench_file
 
 WORKLOADS = ("multiturn", "code-edit", "agent")
 
