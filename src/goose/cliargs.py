@@ -8,12 +8,7 @@ import argparse
 from .config import DecodeConfig, EngineConfig
 from .errors import GooseError
 from .loading.packaged import DEFAULT_MODEL, PACKAGED
-
-# goose.engine.methods.METHODS, named here so argument checks and help need not import the engine (torch);
-# tests/test_cli.py keeps the two equal
-# goose.backends.lean.ARITHS, likewise (tests/test_arith.py keeps the two equal)
-ARITHS = ("exact", "int8")
-METHODS = ("ar", "pld", "tr", "iso3", "iso5", "goose-paper", "goose", "lookahead", "rest")
+from .names import ARITHS, METHODS  # the choices of --arith and --method, read without torch
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

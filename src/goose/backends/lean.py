@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GooseError
+from ..names import ARITHS  # LeanForward's arithmetics (see its `arith`)
 from ..protocols import Forward, KVCache, Segment
 from . import cpukernel, int8
 from .cpukernel import CpuKernels
@@ -64,8 +65,6 @@ from .forward import active_sliding_window, weights_fingerprint
 from .packed import PackedEmbedding, PackedLinear, PackedWeight, PanelWeight
 from .packed import cat as _cat_packed
 from .quant import QuantWeight
-
-ARITHS = ("exact", "int8")  # LeanForward's arithmetics (see its `arith`)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 INITIAL_CAPACITY = 512  # cache slots per layer before the first doubling

@@ -151,8 +151,8 @@ def run_concurrency(args, questions: list) -> int:
     """`--concurrency N` / `--rate R`: the methods on one Engine each, N requests in flight."""
     import torch
 
-    from ..engine.methods import METHODS
     from ..loading.model import load_model
+    from ..names import METHODS
     from .concurrency import run
 
     if args.rate is not None and not args.rate > 0:

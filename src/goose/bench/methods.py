@@ -4,8 +4,8 @@ keyword arguments each one adds, and goose's suffix-memory variants (``goose@col
 
 from __future__ import annotations
 
-from ..cliargs import METHODS
 from ..errors import GooseError
+from ..names import METHODS
 
 HF_METHODS = {"hf-ar": {}, "hf-pld": {"prompt_lookup_num_tokens": 10}}
 ALL_METHODS = METHODS + tuple(HF_METHODS)

@@ -1,0 +1,52 @@
+"""`Method`, what every decoding method is: drafting state that answers the step loop's calls."""
+
+from __future__ import annotations
+
+import copy
+
+from ...drafting.memory import SuffixMemory
+from ...drafting.tree import DraftTree
+from ...selection.costmodel import CostCurve
+from ...selection.selector import Candidates
+from ..verify import WalkResult
+
+
+class Method:
+    name = "base"
+    prefill_harvest: int | None = 0  # prompt positions (the last k) whose logits `harvest` reads; None: all
+    cost: CostCurve | None = None  # the device's cost curve, for a method that sizes its trees by it
+    offers_candidates = False  # True: the step loop asks `candidates` and selects the subtree itself
+    # earlier requests' prompts and outputs, set by the request's owner (Decoder, Engine per tenant); read
+    # by the methods that draft from it (`goose`), None: no memory
+    memory: SuffixMemory | None = None
+
+    def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
+                   min_prob: float = 0.0) -> Candidates:
+        """A candidate tree and its nodes' path probabilities (only when `offers_candidates`)."""
+        raise NotImplementedError(f"method '{self.name}' drafts its own tree (see `draft`)")
+
+    def start(self) -> None:
+        """A new request begins: called before its prefill (whose logits `harvest` may read)."""
+
+    def begin(self, tokens: list[int]) -> None:
+        """After the prefill: the request's committed tokens (prompt + first generated token) are `tokens`."""
+
+    def prepare(self, model, forward, tokenizer=None) -> None:
+        """Called once by the Decoder with the model, its forward backend and tokenizer (or None)."""
+
+    def draft(self, anchor: int, prev: int | None) -> DraftTree:
+        return DraftTree.root(anchor, route="ar")
+
+    def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
+        """Logits ``[n, vocab]`` at positions holding `tokens`, whose predecessors are `prevs`."""
+
+    def observe(self, tree: DraftTree, walk: WalkResult) -> None:
+        pass
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+    def fork(self) -> "Method":
+        """This method for one more concurrent request: the configuration and what is learned across requests
+        by design are shared, the per-request state (set by `begin`) is the new request's own."""
+        return copy.copy(self)

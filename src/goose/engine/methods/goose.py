@@ -1,0 +1,195 @@
+"""`goose`: GOOSE's spine trees sized by the device's measured cost curve, drafting from the context and the
+cross-request suffix memory (`load_budget`: the candidate tree's size under load)."""
+
+from __future__ import annotations
+
+import math
+
+from ...config import DeviceAwareConfig, GooseConfig
+from ...drafting.memory import MemoryDraft
+from ...drafting.ngram import NgramIndex, Proposal, chain_confidence
+from ...drafting.spine import build_spine_tree
+from ...drafting.tree import BRANCH, DraftTree
+from ...selection.acceptance import SHORT, AcceptanceModel, match_kind, memory_rank
+from ...selection.costmodel import CostCurve
+from ...selection.selector import Candidates, allocate
+from ..measure import load_or_measure
+from ..verify import WalkResult
+from .goose_paper import GoosePaper
+
+
+def load_budget(min_prob: float, spine: int = 0, cfg: DeviceAwareConfig = DeviceAwareConfig()) -> int | None:
+    """The most candidate nodes worth building when a node must reach path probability `min_prob` to pay for
+    its row and `spine` spine nodes can: one depth's path probabilities sum to at most 1, so at most
+    1 / min_prob branch nodes per depth can, for `cfg.load_depths` depths (under load: a few nodes, not a full
+    tree), and never fewer than `cfg.load_min_budget`. None: no cap."""
+    if min_prob <= 0:
+        return None
+    return max(cfg.load_min_budget, 1 + spine + math.ceil(cfg.load_depths / min_prob))
+
+
+class DeviceAwareGoose(GoosePaper):
+    """`goose`: a generous spine tree as candidates, verified as the subtree with the best expected
+    tokens per millisecond under the device's measured cost curve (n = 1, a plain step, included)."""
+
+    name = "goose"
+    offers_candidates = True
+
+    def __init__(self, vocab_size: int, cfg: GooseConfig = GooseConfig(), cost: CostCurve | None = None) -> None:
+        super().__init__(vocab_size, cfg)
+        self.acc = AcceptanceModel(cfg.device_aware.acceptance)
+        self.prefill_harvest = cfg.device_aware.prefill_harvest
+        self._kind = SHORT
+        self._root_succ = None  # the adjacency successors of the step's anchor, as drafted (`_observe_unbuilt`)
+        self._chain = None  # the step's spine chain (n-gram or memory), as drafted (`_observe_unbuilt`)
+        self._chain_ranks = None  # its nodes' memory groups (None: an n-gram chain)
+        self._learn = True  # harvest the next verified step (False: its candidates had no branch that could pay)
+        self._set_cost(cost)
+
+    def _set_cost(self, cost: CostCurve | None) -> None:
+        self.cost = cost
+        if cost is not None:
+            size = min(self.cfg.device_aware.candidate_budget, cost.max_size)
+            self.candidate_cfg = self.cfg.with_budget(size)
+            self.cost_table = cost.table(size)
+
+    def prepare(self, model, forward, tokenizer=None) -> None:
+        if self.cost is None:
+            self._set_cost(load_or_measure(model, forward))
+
+    def start(self) -> None:
+        super().start()
+        self._learn = True  # before the prefill, whose chunks are harvested
+
+    def new_index(self) -> NgramIndex:
+        """Matches down to `DeviceAwareConfig.ngram_sizes` (2 tokens by default; their chains priced apart)."""
+        return NgramIndex(self.cfg.device_aware.ngram_sizes, self.cfg.ngram.max_chain)
+
+    def begin(self, tokens: list[int]) -> None:
+        super().begin(tokens)
+        if not self.cfg.device_aware.carry_over:
+            self.acc.reset()
+
+    def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
+                   min_prob: float = 0.0) -> Candidates:
+        """The candidate tree (cut at `max_depth`) and its nodes' path probabilities; the step loop chooses
+        the subtree to verify (`selector.allocate`, for one request the same rule as `draft`). `min_prob`:
+        the caller's estimate of the path probability a node must reach to pay for its row. When no child of
+        the root can reach it, the tree is not built (a plain step); when no adjacency branch can
+        (`AcceptanceModel.branch_best`), the tree is its spine alone. Either way the step is not harvested. When
+        `min_prob` is above any probability a child of the root can have (`AcceptanceModel.child_best`, at most
+        `AcceptanceConfig.max_prob`: a loaded batch, where a row costs more than a token brings), nothing is looked
+        up either: the step costs what `ar`'s does."""
+        if min_prob > self.acc.child_best():
+            self._root_succ = self._chain = None
+            self._learn = False
+            return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
+        first = self.index.propose()
+        self._kind = match_kind(first.consensus, len(first.chain), 0 < first.ngram <= self.cfg.device_aware.weak_ngram)
+        self._root_succ = self.adj.successors(anchor, prev)
+        mem = self._memory_draft(first)
+        self._chain, self._chain_ranks = first.chain, None
+        if mem is not None:
+            return self._memory_candidates(anchor, prev, mem, max_depth, min_prob)
+        plain = self._gate(anchor, self.acc.best_child(self._kind, bool(first.chain)), min_prob)
+        if plain is not None:  # (an extended chain is empty exactly when `first`'s is)
+            return plain
+        prop = self.index.propose_extended(self.cfg.ngram, first)
+        reach = self.acc.spine_reach(self._kind, len(prop.chain), min_prob) if min_prob > 0 else 0
+        cand = build_spine_tree(anchor, prev, prop.chain, first.confidence, 1.0, self.adj, self.candidate_cfg,
+                                cap=load_budget(min_prob, reach, self.cfg.device_aware), branches=self._learn,
+                                branch_cap=self.cfg.device_aware.candidate_branches)
+        return self._priced(cand, max_depth)
+
+    def _gate(self, anchor: int, best_child: float, min_prob: float) -> Candidates | None:
+        """A plain step's candidates when no child of the root (best probability `best_child`) reaches
+        `min_prob`; else None. Sets whether the step is harvested: only when an adjacency branch can pay."""
+        if min_prob > 0 and best_child < min_prob:
+            self._learn = False
+            return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
+        self._learn = min_prob <= 0 or self.acc.branch_best() >= min_prob
+        return None
+
+    def _priced(self, cand: DraftTree, max_depth: int | None) -> Candidates:
+        if max_depth is not None:
+            cand = cand.within_depth(max_depth)
+        if len(cand) == 1:
+            cand.route = "ar"
+            return Candidates(cand, [1.0])
+        q, _ = self.acc.node_probs(cand, self._kind)
+        return Candidates(cand, q)
+
+    def _memory_draft(self, first: Proposal) -> MemoryDraft | None:
+        """The memory's draft when it matches a longer suffix than the context's own n-gram index (or the
+        context has no match); None otherwise."""
+        if self.memory is None:
+            return None
+        mem = self.memory.lookup(self.index.tokens)
+        if not mem.spine or (first.chain and mem.match <= first.ngram):
+            return None
+        return mem
+
+    def _memory_candidates(self, anchor: int, prev: int | None, mem: MemoryDraft, max_depth: int | None,
+                           min_prob: float) -> Candidates:
+        """A spine tree whose spine (and its alternatives) come from the memory, adjacency branches around."""
+        ranks = [memory_rank(c, t, mem.match) for c, t in zip(mem.counts, mem.totals)]
+        self._chain, self._chain_ranks = mem.spine, ranks
+        plain = self._gate(anchor, self.acc.memory_best(ranks[0]), min_prob)
+        if plain is not None:
+            return plain
+        reach = self.acc.memory_reach(ranks, min_prob) if min_prob > 0 else 0
+        alternatives = [(at, toks, memory_rank(c, t, mem.match)) for at, toks, c, t in mem.branches]
+        cand = build_spine_tree(anchor, prev, mem.spine, chain_confidence(len(mem.spine), ranks[0] == 0), 1.0,
+                                self.adj, self.candidate_cfg, cap=load_budget(min_prob, reach, self.cfg.device_aware),
+                                spine_ranks=ranks, alternatives=alternatives, branches=self._learn,
+                                branch_cap=self.cfg.device_aware.candidate_branches)
+        return self._priced(cand, max_depth)
+
+    def draft(self, anchor: int, prev: int | None) -> DraftTree:
+        return allocate([self.candidates(anchor, prev)], cost=self.cost_table)[0]
+
+    def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
+        """As every adjacency method, except after a step whose candidates held no adjacency branch because
+        none could pay for its row (`candidates` with `min_prob`): that step is not harvested, so a request
+        that cannot use the table does not pay for filling it (the vocabulary-wide top-k of each row), and a
+        request that cannot speculate at all costs what an `ar` request costs. The table misses those
+        positions' successors; drafts only, never outputs, depend on it. `min_prob` carries the step loop's
+        `worth_margin`, so a branch below it could still have been chosen now and then (on the Zen 5 table
+        of docs/performance-log.md, 6 of 1,262 drafted nodes were branches before this rule)."""
+        if not self._learn:
+            self._learn = True
+            return
+        super().harvest(tokens, prevs, logits)
+
+    def observe(self, tree: DraftTree, walk: WalkResult) -> None:
+        super().observe(tree, walk)
+        if len(tree) > 1:
+            self.acc.update(tree, self.acc.keys(tree, self._kind), walk)
+        self._observe_unbuilt(tree, walk)
+
+    def _observe_unbuilt(self, tree: DraftTree, walk: WalkResult) -> None:
+        """Children of the root that the step did not verify count as trials of their groups all the same: the
+        target's tokens after the anchor are known now (the accepted path and the bonus token).
+
+        - The anchor's adjacency successors, always: such a child is accepted exactly when it is the target's
+          next token. So a branch group that a few early rejections put below `min_prob` keeps being measured
+          at no row's cost, and returns when its true rate pays for a row (without it, 0 of 5 early trials held
+          the rank-0 group at 0.13 for a whole run, against a measured rate of 0.27-0.30).
+        - The spine's chain (n-gram or memory), node by node along the known tokens, for groups that no verified
+          node has tried yet (`AcceptanceModel.explore_chain`): where the cost curve prices a row above what the
+          priors promise, no spine node is ever verified, so without this a spine group would never learn (the
+          real model on a repetitive prompt stayed at one token per step with rows at 1.4x)."""
+        nxt = tree.tokens[walk.path[1]] if len(walk.path) > 1 else walk.bonus
+        built = tree.children[0]  # token -> node of the verified root children
+        succ = self._root_succ
+        if succ is not None:
+            branches = {tree.ranks[i] for i in built.values() if tree.sources[i] == BRANCH}
+            min_score, max_rank = self.cfg.tree.min_score, self.acc.cfg.max_rank
+            for rank, (tok, score) in enumerate(zip(*succ)):
+                if rank > max_rank or score < min_score:
+                    break
+                if rank not in branches and tok not in built:
+                    self.acc.count(self.acc.branch_key(rank, 1), tok == nxt)
+        if self._chain:
+            known = [tree.tokens[i] for i in walk.path[1:]] + [walk.bonus]
+            self.acc.explore_chain(self._kind, self._chain, known, tree, self._chain_ranks)
