@@ -71,6 +71,9 @@ def admission(n: int, prefix_mb: float, memory_mb: float, max_tenants: int) -> N
 
 def requests(n: int, warmup: int, prefix_mb: float, memory_mb: float, same_tenant: bool, max_batch: int) -> None:
     import goose
+    from goose.server.app import tune_malloc
+
+    tune_malloc()  # as `goose serve` does
 
     model, tok = goose.load_model()
     rng = random.Random(1)
