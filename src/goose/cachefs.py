@@ -243,6 +243,13 @@ def write_text(target: Path, text: str) -> None:
     write_bytes(target, text.encode("utf-8"))
 
 
+def write_entry(target: Path, data: bytes) -> None:
+    """`write_bytes`, with the digest beside it wherever `target` is (an entry read back with `read_entry`,
+    such as a cost curve at a path the caller chose). The caller holds `lock(target)`."""
+    _replace_file(Path(target), data)
+    seal_file(target, data)
+
+
 def replace_dir(tmp: Path, target: Path) -> None:
     """Move the finished folder `tmp` to `target`, replacing an older `target` (readers that opened files
     of the old one keep them: they are unlinked, not truncated). The caller holds `lock(target)`."""

@@ -220,7 +220,7 @@ def load_or_measure(model, forward, remeasure: bool = False, path: Path | None =
             curve = measure(forward, vocab, sequences=sequences, deadline=deadline, clock=clock)
             slow = starved(forward, curve)
             if curve.spread <= MAX_SPREAD and slow is None:
-                cachefs.write_text(path, json.dumps(curve.to_json()))
+                cachefs.write_entry(path, json.dumps(curve.to_json()).encode("utf-8"))
                 return curve
     if slow is not None:
         why = (f"a forward read its {forward.weight_bytes / 1e6:.0f} MB of weights at {slow:.3f} GB/s (are other "
