@@ -161,3 +161,24 @@ def test_serve_passes_its_engine_settings_as_one_engine_config(monkeypatch):
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--max-tenants", "0"])
     assert exc.value.code == 2
+
+
+def test_the_step_loop_hands_free_heap_memory_back(model32, monkeypatch):
+    """Between steps, at most every TRIM_S seconds while busy, and whenever it runs out of work."""
+    from goose.engine import scheduler
+    from goose.machine import trim_heap
+
+    assert trim_heap() is True  # glibc here: the call exists and runs
+    calls = []
+    monkeypatch.setattr(scheduler, "trim_heap", lambda: calls.append(1))
+    eng = Engine(model32, None, "ar", max_batch=1, thread=False)
+    req = eng.submit([5, 6, 7], 6, eos=[])
+    monkeypatch.setattr(scheduler, "TRIM_S", 1e9)  # busy: not before TRIM_S has passed
+    for _ in range(3):
+        eng.step()
+    assert calls == []
+    monkeypatch.setattr(scheduler, "TRIM_S", 0.0)
+    while eng.step():
+        pass
+    assert req.result(timeout=5).token_ids == greedy_memo(model32, [5, 6, 7], 6) and len(calls) >= 3
+    eng.close()

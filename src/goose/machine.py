@@ -1,8 +1,9 @@
 """What machine goose runs on: the CPU's name (for reports), its feature flags (for the kernel variants) and its
-identity (for caches of measurements)."""
+identity (for caches of measurements); and handing the C heap's free memory back to the system (`trim_heap`)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import platform
@@ -58,3 +59,22 @@ def cpu_identity() -> str:
     except (AttributeError, OSError):
         parts.append(f"cpus={os.cpu_count()}")
     return " ".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def trim_heap() -> bool:
+    """Hand the memory the C allocator holds free back to the system (glibc's ``malloc_trim(0)``). A long-running
+    engine's heap keeps what its freed tensors held: measured, 186 MiB of a process's 424 MiB growth over 1,100
+    requests were free memory kept so. False where there is no glibc (nothing done)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

@@ -25,6 +25,7 @@ from ..backends.cpukernel import release_thread_team
 from ..config import EngineConfig, GooseConfig
 from ..drafting.memory import MemoryPool
 from ..errors import EngineClosed, EngineFailed, GooseError, QueueFull, RequestCancelled, RequestFailed
+from ..machine import trim_heap
 from .measure import load_or_measure_batch
 from .methods import Method, make_method
 from .output import stop_check
@@ -45,6 +46,7 @@ from .step import DECODE, PREFILL, Slot, step
 _END = object()  # end of a request's block queue
 log = logging.getLogger("goose.engine")
 BATCH_SIZES_KEPT = 4096  # Engine.batch_sizes: the sizes of this many most recent steps
+TRIM_S = 5.0  # while busy, the step loop hands the C heap's free memory back at most this often (and when idle)
 
 
 class Request:
@@ -254,6 +256,7 @@ class Engine:
         self.batch_sizes: deque[int] = deque(maxlen=BATCH_SIZES_KEPT)  # requests per step, recent steps only
         self.batch_counts = [0] * (self.max_batch + 1)  # steps run with n requests, for every n (fixed size)
         self.failure: str | None = None  # why the step loop stopped for good (None: it runs, or was closed)
+        self._trimmed_at = time.monotonic()  # when the loop last handed free heap memory back (`trim_heap`)
         self.last_step_at: float | None = None  # time.monotonic() when the last step ended (None: none yet)
         self._thread = threading.Thread(target=self._loop, name="goose-engine", daemon=True) if thread else None
         self._runner_done = threading.Event()
@@ -444,6 +447,10 @@ class Engine:
     def _next_step(self) -> bool:
         with self._cond:
             idle = not self._waiting and not self._running
+        now = time.monotonic()
+        if idle or now - self._trimmed_at >= TRIM_S:  # the heap's free memory goes back (between steps only)
+            trim_heap()
+            self._trimmed_at = now
         if idle:  # an idle engine keeps no OpenMP team: torch work on other threads meanwhile runs at full speed
             release_thread_team()
         with self._cond:
