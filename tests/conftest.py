@@ -138,3 +138,14 @@ def filled_cache(fwd, tokens: list[int]):
     with torch.inference_mode():
         fwd.run([Segment(cache, tokens)])
     return cache
+
+
+@pytest.fixture(scope="module")
+def worded():
+    """A tiny random Llama with SmolLM2's vocabulary, and SmolLM2's tokenizer (servers that speak text)."""
+    from transformers import AutoTokenizer
+
+    from goose.loading.model import model_dir
+
+    tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
+    return make_tiny_llama(dtype=torch.float32, vocab=len(tok), seed=2), tok

@@ -14,25 +14,14 @@ import time
 from urllib.parse import urlparse
 
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from conftest import TINY_EOS, hf_greedy, make_tiny_llama  # noqa: E402
+from conftest import TINY_EOS, hf_greedy  # noqa: E402
 from goose import Engine  # noqa: E402
 from goose.decoding import encode_chat  # noqa: E402
 from serving import TIMEOUT, live_server, raw  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def worded():
-    from transformers import AutoTokenizer
-
-    from goose.loading.model import model_dir
-
-    tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
-    return make_tiny_llama(dtype=torch.float32, vocab=len(tok), seed=2), tok
 
 
 @pytest.fixture(scope="module")

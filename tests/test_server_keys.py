@@ -26,16 +26,6 @@ MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "
 
 
 @pytest.fixture(scope="module")
-def worded():
-    from transformers import AutoTokenizer
-
-    from goose.loading.model import model_dir
-
-    tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
-    return make_tiny_llama(dtype=torch.float32, vocab=len(tok), seed=2), tok
-
-
-@pytest.fixture(scope="module")
 def want(worded):
     model, tok = worded
     return hf_greedy(model, encode_chat(tok, MESSAGES), 8, eos=TINY_EOS)
