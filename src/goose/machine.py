@@ -62,10 +62,13 @@ def cpu_identity() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _malloc_trim():
+def glibc():
+    """glibc's C library (for `mallopt`, `malloc_trim`), or None where the process runs on another libc."""
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
+        lib = ctypes.CDLL("libc.so.6")
+        lib.mallopt, lib.malloc_trim  # noqa: B018 - both exist only in glibc
+        return lib
+    except (OSError, AttributeError):
         return None
 
 
@@ -73,8 +76,8 @@ def trim_heap() -> bool:
     """Hand the memory the C allocator holds free back to the system (glibc's ``malloc_trim(0)``). A long-running
     engine's heap keeps what its freed tensors held: measured, 186 MiB of a process's 424 MiB growth over 1,100
     requests were free memory kept so. False where there is no glibc (nothing done)."""
-    trim = _malloc_trim()
-    if trim is None:
+    lib = glibc()
+    if lib is None:
         return False
-    trim(0)
+    lib.malloc_trim(0)
     return True

@@ -19,7 +19,6 @@ the watcher that restarts engines has itself failed.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
 import itertools
 import json
@@ -46,6 +45,7 @@ from ..drafting.tree import BRANCH, SPINE
 from ..engine.methods import METHODS
 from ..engine.output import MAX_STOP_BYTES
 from ..errors import EngineClosed, GooseError, QueueFull
+from ..machine import glibc
 from .keys import ApiKeys, Key
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatCompletionRequest, CompletionRequest
@@ -843,12 +843,11 @@ def tune_malloc(arenas: int = MALLOC_ARENAS, mmap_threshold: int = MMAP_THRESHOL
     ``MALLOC_MMAP_THRESHOLD_`` in the environment wins. Returns True when both were set."""
     if os.environ.get("MALLOC_ARENA_MAX") or os.environ.get("MALLOC_MMAP_THRESHOLD_"):
         return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        # -8: M_ARENA_MAX, -3: M_MMAP_THRESHOLD
-        return bool(libc.mallopt(-8, int(arenas))) and bool(libc.mallopt(-3, int(mmap_threshold)))
-    except (OSError, AttributeError):
-        return False  # not glibc
+    libc = glibc()
+    if libc is None:
+        return False
+    # -8: M_ARENA_MAX, -3: M_MMAP_THRESHOLD
+    return bool(libc.mallopt(-8, int(arenas))) and bool(libc.mallopt(-3, int(mmap_threshold)))
 
 
 def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int = 8000,
