@@ -75,13 +75,27 @@ def greedy_store(model) -> Datastore:
     return _STORES[key]
 
 
-def method_for(name: str, model):
-    """Method names as the decoder takes them; `rest` with a store of the model's own greedy text."""
-    if name != "rest":
-        return name
-    from goose.engine.methods import Rest
+_HEADS: dict = {}
 
-    return Rest(store=greedy_store(model))
+
+def method_for(name: str, model, cost=None):
+    """Method names as the decoder takes them; `rest` with a store of the model's own greedy text, `eagle2` with
+    a random draft head for the model (priced by `cost`, as the decoder's would be)."""
+    if name == "rest":
+        from goose.engine.methods import Rest
+
+        return Rest(store=greedy_store(model))
+    if name == "eagle2":
+        import tempfile
+        from pathlib import Path
+
+        from goose.config import EagleConfig
+        from goose.engine.methods import Eagle2
+
+        if id(model) not in _HEADS:
+            _HEADS[id(model)] = (model, random_head(model, Path(tempfile.mkdtemp(prefix="goose-head-")), 1, 48))
+        return Eagle2(EagleConfig(head=str(_HEADS[id(model)][1])), cost)
+    return name
 
 
 @pytest.fixture(scope="session")
@@ -149,3 +163,21 @@ def worded():
 
     tok = AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
     return make_tiny_llama(dtype=torch.float32, vocab=len(tok), seed=2), tok
+
+
+def random_head(model, folder, seed: int = 0, draft_vocab: int | None = None, eagle1: bool = False):
+    """A draft head of random weights for `model`, written to `folder` (`goose.backends.head`'s format).
+    `draft_vocab`: tokens it can propose (a random subset; default all); `eagle1`: the EAGLE-1/2 layout (no
+    input or final norm, the target's own output head)."""
+    from goose.backends.head import DraftHead, HeadConfig, save_head
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    size = vocab if eagle1 or draft_vocab is None else draft_vocab
+    head = DraftHead(HeadConfig.for_target(model, size), model.get_input_embeddings().weight,
+                     norms=not eagle1, own_lm_head=not eagle1)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if p.dim() == 1 else 0.3))
+    head.d2t = torch.randperm(vocab, generator=gen)[:size].sort().values
+    return save_head(head, folder, dtype=torch.float32)

@@ -133,7 +133,7 @@ def test_every_method_through_decoder_arith_int8_equals_ar_in_int8(prompt, reps,
     prompt = (prompt * reps)[:60]  # repeated text makes the lookup methods draft long
     want = ar_int8(qmodel, prompt, n_new)
     for method in METHODS:
-        out, _ = Decoder(qmodel, None, method_for(method, qmodel), cost=CHEAP, arith="int8").generate_ids(
+        out, _ = Decoder(qmodel, None, method_for(method, qmodel, CHEAP), cost=CHEAP, arith="int8").generate_ids(
             prompt, DecodeConfig(n_new))
         assert out == want, method
 

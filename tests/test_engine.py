@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from conftest import TINY_EOS, TINY_VOCAB, greedy_memo, hf_greedy, make_tiny_llama, method_for
 from goose import DecodeConfig, Decoder, Engine, GooseError
+from goose.config import GooseConfig
 from goose.backends.forward import HFForward
 from goose.backends.lean import LeanForward
 from goose.drafting.tree import BRANCH, SPINE, DraftTree
@@ -25,7 +26,7 @@ from goose.engine.step import Slot, step
 from goose.selection.costmodel import BatchCostCurve, CostCurve
 from goose.selection.selector import Candidates, allocate_counts
 
-METHODS = ["ar", "pld", "tr", "goose-paper", "goose", "lookahead", "rest"]
+METHODS = ["ar", "pld", "tr", "goose-paper", "goose", "lookahead", "rest", "eagle2"]
 FLAT = CostCurve((1, 128), (10.0, 10.0))  # every tree free: the largest candidates are verified
 STEEP = CostCurve((1, 2, 128), (10.0, 20.0, 1280.0))  # every extra token as dear as a step
 
@@ -67,8 +68,8 @@ def test_batched_steps_equal_greedy_alone(models, data):
     for t in itertools.count():
         for i, p in enumerate(plan):
             if p["arrive"] == t:
-                method = make_method(p["method"], TINY_VOCAB, cost=curve or FLAT) if p["method"] != "rest" \
-                    else method_for("rest", model)
+                method = make_method(p["method"], TINY_VOCAB, cost=curve or FLAT) \
+                    if p["method"] not in ("rest", "eagle2") else method_for(p["method"], model, curve or FLAT)
                 method.prepare(model, fwd)
                 eos = {TINY_EOS} | ({p["stop"]} if p["stop"] else set())
                 s = Slot(p["prompt"], DecodeConfig(p["new"], prefill_chunk=p["chunk"]), method, fwd.new_cache(),
@@ -223,7 +224,8 @@ def test_engine_concurrent_submissions_equal_greedy(models, kind, dtype):
     model = models[dtype]
     rng = random.Random(7)
     prompts = [[rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(10)]
-    with Engine(model, None, "goose", max_batch=3, forward=_forward(kind, model)) as eng:
+    head = method_for("eagle2", model).cfg  # a random draft head for the model
+    with Engine(model, None, "goose", 3, GooseConfig(eagle=head), forward=_forward(kind, model)) as eng:
         reqs = []
         for i, p in enumerate(prompts):
             reqs.append(eng.submit(p, 20 + i, method=METHODS[i % len(METHODS)] if i % 7 != 6 else "ar"))

@@ -83,7 +83,7 @@ def test_every_method_equals_greedy_generate(prompt, max_new, cfg, seed, curve, 
     ref = hf_greedy(model, prompt, max_new)
     for method in METHODS:
         fwd = HFForward(model) if backend == "hf" else LeanForward(model)
-        dec = Decoder(model, None, method_for(method, model), cfg, forward=fwd, cost=CURVES[curve])
+        dec = Decoder(model, None, method_for(method, model, CURVES[curve]), cfg, forward=fwd, cost=CURVES[curve])
         out, stats = dec.generate_ids(prompt, _decode(max_new))
         assert out == ref, f"{method} diverged from greedy generate"
         assert stats.new_tokens == len(out)
@@ -106,7 +106,7 @@ def _decode(max_new):
 def test_decoder_is_reusable_across_requests(tiny_model):
     rng = random.Random(7)
     for method in METHODS:
-        dec = Decoder(tiny_model, None, method_for(method, tiny_model), cost=CURVES["cpu"])
+        dec = Decoder(tiny_model, None, method_for(method, tiny_model, CURVES["cpu"]), cost=CURVES["cpu"])
         for _ in range(3):
             prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(1, 20))]
             out, _ = dec.generate_ids(prompt, _decode(30))

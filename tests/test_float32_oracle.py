@@ -82,7 +82,7 @@ def test_every_method_equals_ar_through_the_float32_kernels(prompt, max_new, cfg
     for method in METHODS:
         if method == "ar":
             continue
-        dec = Decoder(model, None, method_for(method, model), cfg, forward=fwd, cost=CURVES[curve])
+        dec = Decoder(model, None, method_for(method, model, CURVES[curve]), cfg, forward=fwd, cost=CURVES[curve])
         out, stats = dec.generate_ids(prompt, decode)
         pos = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), None)
         assert out == ref, f"{method} ({fwd.backend}, {options or 'greedy'}) differs from ar at token {pos}"

@@ -447,7 +447,7 @@ def test_every_method_equals_ar_in_int8(prompt, reps, n_new, fmt):
     cost = CostCurve((1, 2, 4, 8, 16, 32), (10, 10.5, 11, 12, 14, 20))  # cheap rows: big trees
     ref, _ = Decoder(qmodel, None, "ar", forward=fwd).generate_ids(prompt, DecodeConfig(n_new))
     for method in METHODS:
-        out, _ = Decoder(qmodel, None, method_for(method, qmodel), forward=fwd, cost=cost).generate_ids(
+        out, _ = Decoder(qmodel, None, method_for(method, qmodel, cost), forward=fwd, cost=cost).generate_ids(
             prompt, DecodeConfig(n_new))
         assert out == ref, method
 

@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # top-level package or module of goose -> its layer (higher layers import lower ones, never the reverse)
 LEAVES = ("config", "errors", "paths", "cachefs", "theory", "protocols", "progress", "machine", "names")
-FRONT_ENDS = ("decoding", "server", "bench", "cli", "cliargs", "integrations", "hub", "__init__", "__main__")
+FRONT_ENDS = ("decoding", "server", "bench", "cli", "cliargs", "integrations", "hub", "headtrain", "__init__",
+              "__main__")
 LAYERS: dict[str, int] = {
     **{name: 0 for name in LEAVES},
     "drafting": 1,

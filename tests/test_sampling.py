@@ -150,7 +150,7 @@ def test_one_seed_gives_every_method_the_same_tokens_as_ar(prompt, seed, tempera
                        top_k=top_k)
     ref, _ = Decoder(model, None, "ar").generate_ids(prompt, cfg)
     for method in METHODS:
-        out, _ = Decoder(model, None, method_for(method, model), cost=BIG_TREES).generate_ids(prompt, cfg)
+        out, _ = Decoder(model, None, method_for(method, model, BIG_TREES), cost=BIG_TREES).generate_ids(prompt, cfg)
         assert out == ref, method
 
 

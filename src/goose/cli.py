@@ -29,6 +29,9 @@ from .loading.packaged import DEFAULT_MODEL
 # subcommands registered by other modules: module -> {command: its one-line help, as `goose --help` lists it}
 # (tests/test_cli.py checks this against what each module's `register` adds)
 REGISTERED = {
+    "goose.headtrain": {
+        "train-head": "train an EAGLE draft head for a model (eagle2, and goose with a head)",
+    },
     "goose.bench.cli": {
         "bench": "benchmark methods side by side (Spec-Bench-compatible answers, report, plots)",
         "report": "re-render summary.json, report.md and plots of a bench directory",

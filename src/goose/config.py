@@ -239,6 +239,27 @@ class DeviceAwareConfig:
             raise GooseError(f"weak_ngram must be >= 0, got {self.weak_ngram}")
 
 @dataclass(frozen=True)
+class EagleConfig:
+    """`eagle2`: EAGLE-2's dynamic draft tree grown by a trained draft head (`goose.backends.head`).
+
+    Each step the head drafts `depth` levels: the root's `top_k` most likely children, then at each level the
+    `top_k` nodes of highest joint draft probability get `top_k` children each; every node drafted is a
+    candidate, and the device-aware selector verifies the subtree of highest path probability that pays for
+    its rows (EAGLE-2's rerank, sized by this device's cost curve). `head`: the head's folder (None: the head
+    packaged for the model, `goose.heads`)."""
+
+    head: str | None = None
+    depth: int = 5
+    top_k: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.depth <= 32:
+            raise GooseError(f"eagle depth must be in 1..32, got {self.depth}")
+        if not 1 <= self.top_k <= 64:
+            raise GooseError(f"eagle top_k must be in 1..64, got {self.top_k}")
+
+
+@dataclass(frozen=True)
 class GooseConfig:
     """Everything the GOOSE-family decoders need (`goose-paper`, `iso*`, device-aware `goose`)."""
 
@@ -247,6 +268,7 @@ class GooseConfig:
     tree: SpineTreeConfig = field(default_factory=SpineTreeConfig)
     device_aware: DeviceAwareConfig = field(default_factory=DeviceAwareConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    eagle: EagleConfig = field(default_factory=EagleConfig)
 
     def with_budget(self, budget: int) -> "GooseConfig":
         return replace(self, tree=replace(self.tree, budget=budget))

@@ -37,13 +37,17 @@ class KVCache(Protocol):
 
 class Segment:
     """One sequence's part of a forward: `tokens` appended to `cache` as a causal run, or as a tree
-    (``allowed [n, n]`` ancestor mask and ``depths [n]``); only the last `keep_last` rows' logits when given."""
+    (``allowed [n, n]`` ancestor mask and ``depths [n]``); only the last `keep_last` rows' logits when given.
+    `features`: the forward also sets `hidden` to every row's final hidden state ``[n, hidden]`` (after the
+    model's last norm: what its output head reads; a draft head's input), whatever `keep_last` is."""
 
-    __slots__ = ("cache", "tokens", "depths", "allowed", "keep_last")
+    __slots__ = ("cache", "tokens", "depths", "allowed", "keep_last", "features", "hidden")
 
     def __init__(self, cache: KVCache, tokens: list[int], depths: torch.Tensor | None = None,
-                 allowed: torch.Tensor | None = None, keep_last: int | None = None) -> None:
+                 allowed: torch.Tensor | None = None, keep_last: int | None = None, features: bool = False) -> None:
         self.cache, self.tokens, self.depths, self.allowed, self.keep_last = cache, tokens, depths, allowed, keep_last
+        self.features = features
+        self.hidden: torch.Tensor | None = None
 
 
 class Forward(Protocol):

@@ -209,7 +209,24 @@ class HFForward(Forward):
         cache per call, and padding a batch of trees would change nothing of what is computed per row."""
         if len({id(s.cache) for s in segments}) != len(segments):
             raise GooseError("a forward cannot append to one cache twice")
-        return [self._one(s.cache, s.tokens, s.depths, s.allowed, s.keep_last) for s in segments]
+        return [self._features(s) if s.features else self._one(s.cache, s.tokens, s.depths, s.allowed, s.keep_last)
+                for s in segments]
+
+    def _features(self, s) -> torch.Tensor:
+        """`_one`, also setting ``s.hidden``: the output of the model's final norm (what its output head reads),
+        caught by a hook."""
+        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        if not isinstance(norm, torch.nn.Module):
+            raise GooseError(f"{type(self.model).__name__} has no model.norm: its final hidden states (a draft "
+                             "head's input) cannot be read")
+        caught = []
+        hook = norm.register_forward_hook(lambda mod, args, out: caught.append(out))
+        try:
+            logits = self._one(s.cache, s.tokens, s.depths, s.allowed, s.keep_last)
+        finally:
+            hook.remove()
+        s.hidden = caught[-1][0]
+        return logits
 
     def _one(self, cache: "HFCache", tokens, depths, allowed, keep_last) -> torch.Tensor:
         if cache.dc is None:

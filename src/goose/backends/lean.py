@@ -499,6 +499,8 @@ class LeanForward(Forward):
         for s, (a, b, p) in zip(segments, spans):
             s.cache.appended(p, b - a)
             rows.append((b - s.keep_last, b) if s.keep_last else (a, b))
+            if s.features:  # (the norm is fused into the output head's kernel: computed here for these rows)
+                s.hidden = _rms(x[a:b], self.norm, self.norm_eps)
         if one:
             h = x[rows[0][0] : rows[0][1]]
         else:

@@ -17,7 +17,7 @@ from .. import cachefs
 from ..errors import GooseError
 from . import store
 
-SOURCES = ("spine", "branch", "memory")  # memory: the suffix memory of earlier requests (goose@MODE rows)
+SOURCES = ("spine", "branch", "memory", "head")  # memory: the suffix memory of earlier requests (goose@MODE rows)
 ALL = "all"
 
 

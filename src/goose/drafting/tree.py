@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ROOT, SPINE, BRANCH, MEMORY = 0, 1, 2, 3  # MEMORY: proposed by the cross-request suffix memory
+ROOT, SPINE, BRANCH, MEMORY, HEAD = 0, 1, 2, 3, 4  # MEMORY: the cross-request suffix memory; HEAD: a draft head
 
 
 @dataclass

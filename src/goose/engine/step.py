@@ -135,7 +135,7 @@ class Slot:
 class _Work:
     """One slot's part of one step: what its stages hand each other (dropped after the step)."""
 
-    __slots__ = ("slot", "chunk", "harvest", "cands", "tree", "tokens")
+    __slots__ = ("slot", "chunk", "harvest", "cands", "tree", "tokens", "hidden")
 
     def __init__(self, slot: Slot, chunk: list[int] | None = None) -> None:
         self.slot = slot
@@ -144,6 +144,7 @@ class _Work:
         self.cands: Candidates | None = None  # decoding: the candidate tree the selection cuts (`goose`)
         self.tree: DraftTree | None = None  # decoding: the tree this step verifies
         self.tokens: list[int] = []  # decoding: its tokens, then any unverified extras (lookahead window)
+        self.hidden: torch.Tensor | None = None  # every row's final hidden state, for a method with `features`
 
 
 class _Clock:
@@ -193,6 +194,8 @@ def _step(forward: Forward, slots: list[Slot], cost: CostModel | None, budget: i
     if not tensors:
         return
     outs = _forward(forward, [w for w, _ in tensors], [seg for _, seg in tensors])  # 4. forward
+    for w, seg in tensors:
+        w.hidden = seg.hidden
     clock("forward")
     for w, logits in outs:
         if w.chunk is not None:
@@ -301,12 +304,12 @@ def _tensorize(w: _Work) -> Segment:
         end = s.filled + len(w.chunk)
         tail = len(s.prompt) if s.method.prefill_harvest is None else s.method.prefill_harvest
         w.harvest = min(len(w.chunk), max(0, end - (len(s.prompt) - tail)))  # harvested positions here
-        return Segment(s.cache, w.chunk, keep_last=max(w.harvest, 1))
+        return Segment(s.cache, w.chunk, keep_last=max(w.harvest, 1), features=s.method.features)
     w.tokens = tokens = w.tree.all_tokens  # tree nodes, then any unverified extras (lookahead window)
     parents = w.tree.topology()
     if len(tokens) == 1 or is_chain(parents):
-        return Segment(s.cache, tokens)
-    return Segment(s.cache, tokens, tree_depths(parents), ancestor_mask(parents))
+        return Segment(s.cache, tokens, features=s.method.features)
+    return Segment(s.cache, tokens, tree_depths(parents), ancestor_mask(parents), features=s.method.features)
 
 
 def _verify_and_commit(w: _Work, logits: torch.Tensor) -> None:
@@ -336,6 +339,8 @@ def _harvest(w: _Work, logits: torch.Tensor, walk: WalkResult) -> None:
     prevs = [prev_anchor] + [tokens[p] for p in tree.all_parents[1:]]
     s.method.harvest(tokens, prevs, logits)
     s.method.observe(tree, walk)
+    if s.method.features:  # the root's and the accepted nodes' hidden states: the positions now cached
+        s.method.take_features(w.hidden[walk.path])
 
 
 def _commit(w: _Work, walk: WalkResult) -> None:
@@ -381,6 +386,8 @@ def _add(s: Slot, name: str, t: float) -> float:
 
 def _after_prefill_chunk(w: _Work, logits: torch.Tensor) -> None:
     s, chunk, k = w.slot, w.chunk, w.harvest
+    if s.method.features:
+        s.method.take_features(w.hidden)
     if k:
         prevs = ([s.prev] + chunk[:-1])[-k:]
         s.method.harvest(chunk[-k:], prevs, logits[-k:])

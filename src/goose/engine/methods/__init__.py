@@ -5,7 +5,7 @@ loop: `begin` (new request), `draft` (the tree to verify this step), `harvest` (
 position) and `commit` (tokens accepted). `observe` sees each verification result.
 
 `base` holds `Method`; each method has its module (`ar`, `pld`, `tr`, `goose_paper`, `isotropic` for `iso3`
-and `iso5`, `goose`, `lookahead`, `rest`; `adjacency` is the base of those that keep an adjacency table);
+and `iso5`, `goose`, `lookahead`, `rest`, `eagle2`; `adjacency` is the base of those that keep an adjacency table);
 `registry` builds them by name (`make_method`, `METHODS`).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 from .adjacency import AdjacencyMethod
 from .ar import AR
 from .base import Method
+from .eagle2 import Eagle2
 from .goose import DeviceAwareGoose, load_budget
 from .goose_paper import GoosePaper
 from .isotropic import Isotropic
@@ -24,4 +25,4 @@ from .rest import Rest
 from .tr import TokenRecycling
 
 __all__ = ["Method", "AdjacencyMethod", "AR", "PLD", "TokenRecycling", "GoosePaper", "Isotropic",
-           "DeviceAwareGoose", "load_budget", "Lookahead", "Rest", "METHODS", "REGISTRY", "make_method"]
+           "DeviceAwareGoose", "load_budget", "Lookahead", "Rest", "Eagle2", "METHODS", "REGISTRY", "make_method"]

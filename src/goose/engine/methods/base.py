@@ -16,6 +16,7 @@ class Method:
     prefill_harvest: int | None = 0  # prompt positions (the last k) whose logits `harvest` reads; None: all
     cost: CostCurve | None = None  # the device's cost curve, for a method that sizes its trees by it
     offers_candidates = False  # True: the step loop asks `candidates` and selects the subtree itself
+    features = False  # True: the step loop hands over the target's final hidden states (`take_features`)
     # earlier requests' prompts and outputs, set by the request's owner (Decoder, Engine per tenant); read
     # by the methods that draft from it (`goose`), None: no memory
     memory: SuffixMemory | None = None
@@ -39,6 +40,10 @@ class Method:
 
     def harvest(self, tokens: list[int], prevs: list[int], logits) -> None:
         """Logits ``[n, vocab]`` at positions holding `tokens`, whose predecessors are `prevs`."""
+
+    def take_features(self, hidden) -> None:
+        """(Only when `features`.) The target's final hidden states ``[n, hidden]`` of the next n positions whose
+        keys and values entered the cache: each prompt chunk's, then each step's root and accepted nodes."""
 
     def observe(self, tree: DraftTree, walk: WalkResult) -> None:
         pass

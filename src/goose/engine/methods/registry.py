@@ -15,6 +15,7 @@ from ...errors import GooseError
 from ...selection.costmodel import CostCurve
 from .ar import AR
 from .base import Method
+from .eagle2 import Eagle2
 from .goose import DeviceAwareGoose
 from .goose_paper import GoosePaper
 from .isotropic import Isotropic
@@ -37,6 +38,7 @@ REGISTRY: dict[str, Factory] = {
     "goose": lambda vocab, cfg, cost: DeviceAwareGoose(vocab, cfg, cost),
     "lookahead": lambda vocab, cfg, cost: Lookahead(),
     "rest": lambda vocab, cfg, cost: Rest(),
+    "eagle2": lambda vocab, cfg, cost: Eagle2(cfg.eagle, cost),
 }
 
 METHODS = tuple(REGISTRY)

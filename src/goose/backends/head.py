@@ -1,0 +1,304 @@
+"""A draft head in the EAGLE layout: the target's features and the next token in, the next features and a
+draft distribution out (Li et al., EAGLE / EAGLE-2).
+
+A row at position j reads the target's final hidden state ``f_j`` (after its last norm: what the output head
+reads, `Segment.features`) and the embedding of the token after it, ``x_{j+1}``::
+
+    x   = fc([embed(x_{j+1}), f_j])                       [hidden]   (fc: [hidden, 2 * hidden])
+    x   = x + o(attention(rms(x, ln1)))                   one Llama decoder layer, with its own KV cache
+    out = x + down(silu(gate(rms(x, ln2))) * up(...))      ~ f_{j+1}: fed back as the next depth's feature
+    logits = lm_head(rms(out, norm))                      [draft_vocab] -> target ids by `d2t`
+
+so `out` predicts the target's next features and `logits` the token after ``x_{j+1}``. The draft vocabulary
+is the `draft_vocab_size` most frequent target tokens (`d2t[i]`: the target id of draft id i, stored as
+the offset ``target - i`` as EAGLE-3 checkpoints store it); the full vocabulary when the checkpoint has no
+`lm_head` (EAGLE-1/2 checkpoints use the target's own output head; theirs has no `ln1`/`norm` either).
+
+Files: a folder with ``config.json`` (a Llama config with ``num_hidden_layers`` 1, ``draft_vocab_size`` and
+``goose.target``: what the head was trained for) and ``model.safetensors`` (``fc.weight``,
+``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj.weight``,
+``layers.0.{input,post_attention}_layernorm.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``), as
+SpecForge and vLLM's speculators write EAGLE heads. `load_head` checks a head against the target model and
+names the file and the mismatch when it does not fit.
+
+The head only shapes drafts: every token a method commits is the target's own, so nothing here can change an
+output, whatever the head's weights or arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import GooseError
+
+FORMAT = 1  # goose's version of the folder layout above
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"  # the heads packaged with goose, a folder each
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    target: dict = field(default_factory=dict)  # what it was trained for: model_type, layers, embed digest, ...
+
+    @classmethod
+    def for_target(cls, model, draft_vocab_size: int) -> "HeadConfig":
+        c = model.config
+        return cls(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                   getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, c.intermediate_size,
+                   model.get_output_embeddings().weight.shape[0], draft_vocab_size, float(c.rms_norm_eps),
+                   float(getattr(c, "rope_theta", 10000.0)), target_identity(model))
+
+
+def target_identity(model) -> dict:
+    """What a head must match: the target's shape and a digest of its output head's values (a head trained
+    on another model of the same shape would be lossless but useless)."""
+    c = model.config
+    w = model.get_output_embeddings().weight
+    rows = w[:: max(1, w.shape[0] // 64)].detach().float()
+    return {"model_type": c.model_type, "hidden_size": c.hidden_size, "vocab_size": int(w.shape[0]),
+            "num_hidden_layers": c.num_hidden_layers, "lm_head_digest": round(float(rows.abs().sum()), 2)}
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-b, a], dim=-1) * sin
+
+
+class DraftHead(nn.Module):
+    """The head's weights and forward (see the module docstring); `embed` is the target's embedding table."""
+
+    def __init__(self, cfg: HeadConfig, embed: torch.Tensor, norms: bool = True, own_lm_head: bool = True) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, hd, H, K, inter = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
+            cfg.intermediate_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.q_proj, self.k_proj = nn.Linear(h, H * hd, bias=False), nn.Linear(h, K * hd, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(h, K * hd, bias=False), nn.Linear(H * hd, h, bias=False)
+        self.gate_proj, self.up_proj = nn.Linear(h, inter, bias=False), nn.Linear(h, inter, bias=False)
+        self.down_proj = nn.Linear(inter, h, bias=False)
+        self.ln1 = nn.Parameter(torch.ones(h)) if norms else None
+        self.ln2 = nn.Parameter(torch.ones(h))
+        self.norm = nn.Parameter(torch.ones(h)) if norms else None
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False) if own_lm_head else None
+        self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=False)  # draft id -> target id
+        self.embed = embed.detach()  # the target's [vocab, hidden] (not a parameter of the head)
+        self.embed_out: torch.Tensor | None = None  # the target's output head, for heads without their own
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    # ---- forward ---------------------------------------------------------------------------------------
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f = positions.to(torch.float32)[..., None] * self.inv_freq
+        f = torch.cat([f, f], dim=-1)
+        return f.cos(), f.sin()
+
+    def layer(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, past=None,
+              mask: torch.Tensor | None = None):
+        """Rows ``[B, n]`` of (token after, feature): returns ``(out [B, n, hidden], (k, v))`` with this call's
+        keys and values ``[B, K, n, D]``. `past`: earlier keys and values ``[B, K, P, D]`` the rows also see;
+        `mask`: ``[n, P + n]`` bool (True: may attend), default causal over past + rows."""
+        c = self.cfg
+        B, n = tokens.shape
+        x = self.fc(torch.cat([self.embed[tokens].to(feats.dtype), feats], dim=-1))
+        a = F.rms_norm(x, (c.hidden_size,), self.ln1, c.rms_norm_eps) if self.ln1 is not None else x
+        q = self.q_proj(a).view(B, n, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(a).view(B, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(a).view(B, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = self.rope(positions)
+        cos, sin = cos.to(q.dtype)[:, None], sin.to(q.dtype)[:, None]  # [B, 1, n, D]
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        kk, vv = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        if mask is None and past is None:
+            o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=True)
+        else:
+            if mask is None:
+                P = kk.shape[2] - n
+                mask = torch.ones(n, P + n, dtype=torch.bool, device=q.device).tril_(P)
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(B, n, -1))
+        m = F.rms_norm(x, (c.hidden_size,), self.ln2, c.rms_norm_eps)
+        x = x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        return x, (k, v)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of the head's outputs (`d2t` maps their columns to target ids)."""
+        h = F.rms_norm(out, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps) if self.norm is not None \
+            else out
+        return self.lm_head(h) if self.lm_head is not None else h @ self.embed_out.T
+
+    # ---- files -----------------------------------------------------------------------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        """The weights under the EAGLE checkpoint names (see the module docstring)."""
+        out = {"fc.weight": self.fc.weight}
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"layers.0.self_attn.{n}.weight"] = getattr(self, n).weight
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            out[f"layers.0.mlp.{n}.weight"] = getattr(self, n).weight
+        out["layers.0.post_attention_layernorm.weight"] = self.ln2
+        if self.ln1 is not None:
+            out["layers.0.input_layernorm.weight"] = self.ln1
+        if self.norm is not None:
+            out["norm.weight"] = self.norm
+        if self.lm_head is not None:
+            out["lm_head.weight"] = self.lm_head.weight
+        out["d2t"] = self.d2t - torch.arange(len(self.d2t))
+        return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def save_head(head: DraftHead, folder: Path, extra: dict | None = None, dtype=torch.float16) -> Path:
+    """Write `head` into `folder` (config.json + model.safetensors, each replaced atomically)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    c = head.cfg
+    config = {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "num_hidden_layers": 1,
+              "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
+              "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+              "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size,
+              "draft_vocab_size": c.draft_vocab_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+              "hidden_act": "silu", "goose": {"format": FORMAT, "target": c.target, **(extra or {})}}
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in head.state().items()}
+    tmp = folder / (WEIGHTS + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(folder / WEIGHTS)
+    tmp = folder / (CONFIG + ".tmp")
+    tmp.write_text(json.dumps(config, indent=1) + "\n")
+    tmp.replace(folder / CONFIG)
+    return folder
+
+
+def load_head(folder: str | Path, model, dtype=torch.float32) -> DraftHead:
+    """The head in `folder`, checked against the target `model`: a missing or damaged file, or a head that
+    does not fit (hidden size, vocabulary, heads, the model it was trained for) is one GooseError naming the
+    file and the mismatch."""
+    folder = Path(folder).expanduser()
+    cpath, wpath = folder / CONFIG, folder / WEIGHTS
+    for p in (cpath, wpath):
+        if not p.is_file():
+            raise GooseError(f"draft head: {p} is missing (a head is a folder with {CONFIG} and {WEIGHTS})")
+    try:
+        raw = json.loads(cpath.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        raise GooseError(f"draft head: {cpath} is not a readable JSON config ({exc})") from None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(wpath), "pt") as f:
+            w = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise GooseError(f"draft head: {wpath} is not a readable safetensors file ({type(exc).__name__}: "
+                         f"{exc})") from None
+    c = model.config
+    vocab = model.get_output_embeddings().weight.shape[0]
+    hidden = c.hidden_size
+
+    def bad(what: str) -> GooseError:
+        return GooseError(f"draft head {folder} does not fit this model: {what}")
+
+    if "fc.weight" not in w:
+        raise bad(f"{wpath.name} has no fc.weight (not an EAGLE head)")
+    fc = w["fc.weight"]
+    if any(k.startswith("midlayer.") for k in w) or fc.shape[1] == 3 * hidden:
+        raise bad("it is an EAGLE-3 head (it fuses three layers' features); goose hands a head the last layer's "
+                  "features (EAGLE-1/2 heads)")
+    if raw.get("hidden_size") != hidden or tuple(fc.shape) != (hidden, 2 * hidden):
+        raise bad(f"hidden size {raw.get('hidden_size')} (fc {tuple(fc.shape)}), the model's is {hidden}")
+    if raw.get("vocab_size", vocab) != vocab:
+        raise bad(f"vocabulary of {raw.get('vocab_size')} tokens, the model's is {vocab}")
+    if int(raw.get("num_hidden_layers", 1)) != 1:
+        raise bad(f"{raw.get('num_hidden_layers')} decoder layers; an EAGLE head has one")
+    target = (raw.get("goose") or {}).get("target")
+    if target:
+        mine = target_identity(model)
+        diff = [k for k in mine if k in target and target[k] != mine[k]]
+        if diff:
+            raise bad("trained for another model (" + ", ".join(f"{k} {target[k]} vs {mine[k]}" for k in diff) + ")")
+    try:
+        cfg = HeadConfig(hidden, int(raw["num_attention_heads"]), int(raw.get("num_key_value_heads",
+                         raw["num_attention_heads"])), int(raw.get("head_dim") or hidden // raw["num_attention_heads"]),
+                         int(raw["intermediate_size"]), vocab, int(raw.get("draft_vocab_size") or vocab),
+                         float(raw.get("rms_norm_eps", 1e-5)), float(raw.get("rope_theta", 10000.0)), target or {})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise GooseError(f"draft head: {cpath} lacks or garbles {exc}") from None
+    own = "lm_head.weight" in w
+    if not own and cfg.draft_vocab_size != vocab:
+        raise bad(f"draft vocabulary of {cfg.draft_vocab_size} tokens without its own lm_head.weight")
+    head = DraftHead(cfg, model.get_input_embeddings().weight, norms="norm.weight" in w, own_lm_head=own)
+    if not own:  # the target's output head, in float32 (rows of GGUF blocks are read out whole)
+        out_w = model.get_output_embeddings().weight
+        head.embed_out = (out_w if isinstance(out_w, torch.Tensor) else out_w[torch.arange(vocab)]).detach().float()
+    names = head.state()
+    for k, t in names.items():
+        if k == "d2t":
+            continue
+        if k not in w:
+            raise bad(f"{wpath.name} has no {k}")
+        if tuple(w[k].shape) != tuple(t.shape):
+            raise bad(f"{k} is {tuple(w[k].shape)}, expected {tuple(t.shape)}")
+    extra = sorted(set(w) - set(names) - {"d2t", "t2d", "embed_tokens.weight", "fc.bias"})
+    if extra:
+        raise bad(f"{wpath.name} holds weights goose does not know: {', '.join(extra[:4])}")
+    with torch.no_grad():
+        params = dict(head.named_parameters())
+        for k, p in zip(names, _param_order(head)):
+            if p is not None:
+                p.copy_(w[k].to(p.dtype))
+        del params
+        if "d2t" in w:
+            d2t = w["d2t"].long().reshape(-1)
+            if len(d2t) != cfg.draft_vocab_size:
+                raise bad(f"d2t has {len(d2t)} entries for a draft vocabulary of {cfg.draft_vocab_size}")
+            ids = d2t + torch.arange(len(d2t))
+            if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+                raise bad("d2t maps draft tokens outside the model's vocabulary")
+            head.d2t = ids
+        if "fc.bias" in w:
+            head.fc.bias = nn.Parameter(w["fc.bias"].float())
+    return head.to(dtype).eval()
+
+
+def _param_order(head: DraftHead) -> list:
+    """The tensors `state()` names, in its order (None for d2t)."""
+    out = [head.fc.weight] + [getattr(head, n).weight for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    out += [getattr(head, n).weight for n in ("gate_proj", "up_proj", "down_proj")] + [head.ln2]
+    if head.ln1 is not None:
+        out.append(head.ln1)
+    if head.norm is not None:
+        out.append(head.norm)
+    if head.lm_head is not None:
+        out.append(head.lm_head.weight)
+    return out + [None]
+
+
+def packaged_head(model) -> Path | None:
+    """The packaged head trained for `model` (its config's ``goose.target`` equals the model's identity), if any."""
+    if not HEADS_DIR.is_dir():
+        return None
+    mine = target_identity(model)
+    for folder in sorted(p for p in HEADS_DIR.iterdir() if p.is_dir()):
+        try:
+            raw = json.loads((folder / CONFIG).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(raw, dict) and (raw.get("goose") or {}).get("target") == mine:
+            return folder
+    return None

