@@ -53,6 +53,33 @@ def test_eagle2_equals_greedy_whatever_the_head(tmp_path_factory, prompt, max_ne
     assert stats.accepted["head"] <= stats.drafted["head"]
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=prompts, max_new=st.integers(1, 40), seed=st.integers(0, 2), head_seed=st.integers(0, 1000),
+       draft_vocab=st.integers(1, TINY_VOCAB), top_k=st.integers(1, 6), depth=st.integers(1, 6),
+       curve=st.sampled_from(sorted(CURVES)), backend=st.sampled_from(["hf", "lean"]))
+def test_goose_with_a_head_equals_greedy_whatever_the_head(tmp_path_factory, prompt, max_new, seed, head_seed,
+                                                           draft_vocab, top_k, depth, curve, backend):
+    model = _model(seed)
+    folder = random_head(model, tmp_path_factory.mktemp("head"), head_seed, draft_vocab)
+    cfg = GooseConfig(eagle=EagleConfig(head=str(folder), depth=depth, top_k=top_k))
+    fwd = HFForward(model) if backend == "hf" else LeanForward(model)
+    dec = Decoder(model, None, "goose", cfg, forward=fwd, cost=CURVES[curve])
+    assert dec.method.drafter is not None
+    out, _ = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=max_new))
+    assert out == hf_greedy(model, prompt, max_new)
+
+
+def test_goose_nohead_and_head_none_stay_training_free(tiny_model, tmp_path):
+    folder = random_head(tiny_model, tmp_path / "h", 0, 30)
+    cfg = GooseConfig(eagle=EagleConfig(head=str(folder)))
+    assert Decoder(tiny_model, None, "goose-nohead", cfg, cost=FLAT).method.drafter is None
+    off = GooseConfig(eagle=EagleConfig(head="none"))
+    assert Decoder(tiny_model, None, "goose", off, cost=FLAT).method.drafter is None
+    assert not Decoder(tiny_model, None, "goose", cost=FLAT).method.features  # no head packaged for it
+    with pytest.raises(GooseError, match="needs a draft head"):
+        Decoder(tiny_model, None, "eagle2", off, cost=FLAT)
+
+
 def _oracle_head(model, folder):
     """A head whose draft vocabulary is the few tokens the model's greedy text uses: accepted often."""
     rng = random.Random(3)
@@ -80,6 +107,15 @@ def test_eagle2_accepts_head_drafts_and_stays_lossless(tiny_model, tmp_path):
         accepted += stats.accepted["head"]
         assert len(stats.depth_drafted["head"]) >= 1
     assert accepted > 0  # the walk took head drafts: the accepted-path bookkeeping (features back) ran
+    cfg = GooseConfig(eagle=EagleConfig(head=str(folder), depth=4, top_k=6))
+    dec = Decoder(tiny_model, None, "goose", cfg, cost=FLAT)
+    accepted = 0
+    for _ in range(6):
+        prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(1, 12))]
+        out, stats = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=30))
+        assert out == hf_greedy(tiny_model, prompt, 30)
+        accepted += stats.accepted["head"]
+    assert accepted > 0  # goose verified and accepted head nodes
 
 
 def test_engine_eagle2_concurrent_requests_equal_greedy(tiny_model, tmp_path):
@@ -171,3 +207,82 @@ def test_eagle2_config_bounds():
     for bad in (dict(depth=0), dict(top_k=0), dict(depth=33)):
         with pytest.raises(GooseError):
             EagleConfig(**bad)
+
+
+# ---- the trainer --------------------------------------------------------------------------------------------
+
+def _tiny_cfg(**kw):
+    from goose.headtrain import TrainConfig
+
+    base = dict(conversations=3, held_out=(1000, 1002), max_tokens=48, window=16, batch=2, epochs=1.0,
+                unroll=2, checkpoint_every=1, draft_vocab=64, warmup=2)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_train_head_writes_a_head_that_loads_and_decodes_losslessly(worded, tmp_path):
+    from goose.backends.lean import LeanForward
+    from goose.headtrain import train_head
+
+    model, tok = worded
+    fwd = LeanForward(model)
+    manifest = train_head(model, tok, fwd, tmp_path / "head", tmp_path / "work", _tiny_cfg(), command="test")
+    assert manifest["steps"] >= 2 and manifest["draft_vocab"] == 64
+    assert len(manifest["held_out_top1_by_depth"]) == 2
+    assert manifest["data"]["train_conversations"] == [2000, 2003]
+    assert manifest["data"]["held_out_conversations"] == [1000, 1002]
+    assert all(0 <= a <= 1 for a in manifest["held_out_top1_by_depth"])
+    assert json.loads((tmp_path / "head" / "manifest.json").read_text())["data"]["sha256"] == \
+        manifest["data"]["sha256"]
+    head = load_head(tmp_path / "head", model)
+    assert head.cfg.draft_vocab_size == 64
+    dec = Decoder(model, tok, eagle(model, tmp_path / "head"))
+    ids = tok.encode("Hello there, how are you?")
+    out, _ = dec.generate_ids(ids, DecodeConfig(max_new_tokens=12))
+    assert out == Decoder(model, tok, "ar").generate_ids(ids, DecodeConfig(max_new_tokens=12))[0]
+
+
+def test_train_head_is_deterministic_and_resumes(worded, tmp_path, monkeypatch):
+    from goose.backends.lean import LeanForward
+    from goose.headtrain import train_head
+
+    model, tok = worded
+    fwd = LeanForward(model)
+    cfg = _tiny_cfg(epochs=2.0)
+    train_head(model, tok, fwd, tmp_path / "a", tmp_path / "wa", cfg)
+    train_head(model, tok, fwd, tmp_path / "b", tmp_path / "wb", cfg)
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    calls = {"n": 0}
+    real = torch.nn.utils.clip_grad_norm_
+
+    def interrupted(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_head(model, tok, fwd, tmp_path / "c", tmp_path / "wc", cfg)
+    assert not (tmp_path / "c" / "model.safetensors").exists()
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", real)
+    train_head(model, tok, fwd, tmp_path / "c", tmp_path / "wc", cfg)  # resumes from step 2
+    c = _weights(tmp_path / "c")
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_train_head_refuses_what_does_not_fit_in_memory(worded, tmp_path):
+    from goose.backends.lean import LeanForward
+    from goose.headtrain import train_head
+
+    model, tok = worded
+    with pytest.raises(GooseError, match="budget"):
+        train_head(model, tok, LeanForward(model), tmp_path / "h", tmp_path / "w",
+                   _tiny_cfg(conversations=100000, max_tokens=4096))

@@ -8,5 +8,6 @@ errors come before torch is loaded.
 
 from __future__ import annotations
 
-METHODS = ("ar", "pld", "tr", "iso3", "iso5", "goose-paper", "goose", "lookahead", "rest", "eagle2")
+METHODS = ("ar", "pld", "tr", "iso3", "iso5", "goose-paper", "goose", "goose-nohead", "lookahead", "rest",
+           "eagle2")
 ARITHS = ("exact", "int8")

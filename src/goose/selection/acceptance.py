@@ -13,7 +13,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from ..config import AcceptanceConfig
-from ..drafting.tree import MEMORY, SPINE, DraftTree, WalkResult
+from ..drafting.tree import HEAD, MEMORY, SPINE, DraftTree, WalkResult
 
 CONSENSUS, LONG, SHORT, WEAK = 0, 1, 2, 3
 _SPINE_DEPTH_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # depth buckets: <=1, <=2, ..., >32
@@ -60,6 +60,20 @@ def memory_key(rank: int, depth: int) -> tuple:
     return ("m", min(rank, MEMORY_GROUPS - 1), _spine_bucket(depth))
 
 
+HEAD_GROUPS = 10  # a draft head's nodes, by its own probability for them: [0.9, 1], [0.8, 0.9), ..., [0, 0.1)
+
+
+def head_rank(p: float) -> int:
+    """The group of a draft-head node the head gives probability `p` (0: the most confident)."""
+    return min(HEAD_GROUPS - 1, max(0, int((1.0 - p) * HEAD_GROUPS)))
+
+
+def head_key(rank: int, depth: int) -> tuple:
+    """The group of a draft-head node of group `rank` (`head_rank`) at `depth`: its acceptance is learned
+    per confidence and depth, starting from the head's own confidence."""
+    return ("h", min(rank, HEAD_GROUPS - 1), _spine_bucket(depth))
+
+
 class AcceptanceModel:
     def __init__(self, cfg: AcceptanceConfig = AcceptanceConfig()) -> None:
         self.cfg = cfg
@@ -79,6 +93,8 @@ class AcceptanceModel:
             return self.cfg.spine_prior[key[1]]
         if key[0] == "m":
             return self.cfg.memory_prior[key[1]] if key[1] < 4 else self.cfg.memory_short_prior[key[1] - 4]
+        if key[0] == "h":
+            return 1.0 - (key[1] + 0.5) / HEAD_GROUPS
         rank = key[1]
         return self.cfg.branch_prior[min(rank, len(self.cfg.branch_prior) - 1)]
 
@@ -92,6 +108,8 @@ class AcceptanceModel:
                 out.append(spine_key(kind, tree.depths[i]))
             elif tree.sources[i] == MEMORY:
                 out.append(memory_key(tree.ranks[i], tree.depths[i]))
+            elif tree.sources[i] == HEAD:
+                out.append(head_key(tree.ranks[i], tree.depths[i]))
             else:
                 bdepth[i] = bdepth[p] + 1
                 out.append(self.branch_key(tree.ranks[i], bdepth[i]))

@@ -28,22 +28,22 @@ from ...backends.head import DraftHead, load_head, packaged_head
 from ...config import EagleConfig
 from ...drafting.tree import HEAD, DraftTree
 from ...errors import GooseError
+from ...selection.acceptance import head_rank
 from ...selection.costmodel import CostCurve
 from ...selection.selector import Candidates
 from ..measure import load_or_measure
 from .base import Method
 
 
-class _HeadState:
+class HeadState:
     """One request's head: its KV cache (rows of verified positions), the features not yet run through it."""
 
-    __slots__ = ("k", "v", "start", "feats", "fpos", "tokens")
+    __slots__ = ("k", "v", "feats", "fpos", "tokens")
 
     def __init__(self) -> None:
         self.k = self.v = None  # [1, K, n, D]
-        self.start = 0  # position of the head cache's first row
         self.feats: list[torch.Tensor] = []  # pending features, positions fpos..
-        self.fpos = -1  # position of the first pending feature (-1: set by `begin`)
+        self.fpos = -1  # position of the first pending feature (set by `HeadDrafter.begin`)
         self.tokens: list[int] = []  # committed tokens (prompt + generated)
 
     @property
@@ -51,51 +51,38 @@ class _HeadState:
         return 0 if self.k is None else self.k.shape[2]
 
 
-class Eagle2(Method):
-    name = "eagle2"
-    offers_candidates = True
-    features = True
-
-    def __init__(self, cfg: EagleConfig = EagleConfig(), cost: CostCurve | None = None) -> None:
-        self.cfg = cfg
-        self.cost = cost
-        self.head: DraftHead | None = None
-        self.st = _HeadState()
-
-    def prepare(self, model, forward, tokenizer=None) -> None:
-        path = self.cfg.head
+def find_head(model, cfg: EagleConfig, required: bool) -> DraftHead | None:
+    """The head `cfg.head` names (None: the one packaged for `model`; "none": no head), loaded and checked.
+    A missing packaged head is an error when `required`, else None."""
+    if cfg.head == "none":
+        if required:
+            raise GooseError("eagle2 needs a draft head; head='none' turns it off")
+        return None
+    path = cfg.head
+    if path is None:
+        path = packaged_head(model)
         if path is None:
-            found = packaged_head(model)
-            if found is None:
+            if required:
                 raise GooseError("no draft head is packaged for this model: train one with `goose train-head --out "
                                  "DIR` and pass it (--head DIR)")
-            path = found
-        self.head = load_head(Path(path), model)
-        if self.cost is None:
-            self.cost = load_or_measure(model, forward)
+            return None
+    return load_head(Path(path), model)
 
-    # ---- per request -----------------------------------------------------------------------------------
-    def start(self) -> None:
-        self.st = _HeadState()
 
-    def take_features(self, hidden: torch.Tensor) -> None:
-        """The target's final hidden states ``[n, hidden]`` of the next n positions entering the cache."""
-        self.st.feats.append(hidden.detach().float())
+class HeadDrafter:
+    """EAGLE-2's dynamic tree from a head (see the module docstring); the per-request state is a `HeadState`."""
 
-    def begin(self, tokens: list[int]) -> None:
-        st = self.st
+    def __init__(self, head: DraftHead, cfg: EagleConfig) -> None:
+        self.head, self.cfg = head, cfg
+
+    def begin(self, st: HeadState, tokens: list[int]) -> None:
         st.tokens = list(tokens)
         have = sum(len(f) for f in st.feats)
-        st.fpos = st.start = len(tokens) - 1 - have  # prompt positions reused from a prefix cache have none
+        st.fpos = len(tokens) - 1 - have  # prompt positions reused from a prefix cache have none
 
-    def commit(self, tokens: list[int]) -> None:
-        self.st.tokens.extend(tokens)
-
-    # ---- drafting --------------------------------------------------------------------------------------
-    def _catch_up(self) -> torch.Tensor | None:
+    def _catch_up(self, st: HeadState) -> torch.Tensor | None:
         """Run the head over the pending positions (their rows join its cache); the last row's output, or None
         when there is none to run."""
-        st, head = self.st, self.head
         if not st.feats:
             return None
         feats = torch.cat(st.feats)
@@ -106,7 +93,7 @@ class Eagle2(Method):
             raise GooseError(f"the head's features ({n}) and tokens ({len(toks)}) disagree")
         pos = torch.arange(st.fpos, st.fpos + n)
         past = None if st.k is None else (st.k, st.v)
-        out, (k, v) = head.layer(toks[None], feats[None], pos[None], past)
+        out, (k, v) = self.head.layer(toks[None], feats[None], pos[None], past)
         st.k = k if st.k is None else torch.cat([st.k, k], 2)
         st.v = v if st.v is None else torch.cat([st.v, v], 2)
         st.fpos += n
@@ -119,23 +106,22 @@ class Eagle2(Method):
         return self.head.d2t[i], p
 
     @torch.inference_mode()
-    def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
-                   min_prob: float = 0.0) -> Candidates:
-        st, head, cfg = self.st, self.head, self.cfg
+    def grow(self, st: HeadState, anchor: int, max_depth: int | None = None,
+             min_prob: float = 0.0) -> tuple[DraftTree, list[float]]:
+        """The step's tree under `anchor` (source HEAD, ranks by `head_rank`) and each node's probability under
+        the head (the root's 1). Nodes whose joint probability is below `min_prob` are not expanded."""
+        cfg = self.cfg
         tree = DraftTree.root(anchor)
         q = [1.0]
-        last = self._catch_up()
-        if last is None:  # nothing new verified (cannot happen after `begin`): a plain step
-            return Candidates(tree, q)
-        r = st.fpos  # the root's position
+        last = self._catch_up(st)
         depth_cap = cfg.depth if max_depth is None else min(cfg.depth, max_depth)
-        if depth_cap < 1:
-            return Candidates(tree, q)
+        if last is None or depth_cap < 1:
+            return tree, q
+        r = st.fpos  # the root's position
         toks, probs = self._children(last[None])
-        # per node of the last depth: (tree index, joint probability, the feature predicted for it)
-        level = []
+        level = []  # per node of the last depth: (tree index, joint probability, the feature predicted for it)
         for t, p in zip(toks[0].tolist(), probs[0].tolist()):
-            i = tree.add(0, t, HEAD)
+            i = tree.add(0, t, HEAD, head_rank(p))
             if i > 0:
                 q.append(p)
                 level.append((i, p, last))
@@ -160,7 +146,7 @@ class Eagle2(Method):
             feats_in = torch.stack([f for _, _, f in level])[None]
             pos = torch.full((1, n), r + d - 2, dtype=torch.long)
             past = (torch.cat([st.k] + rows_k, 2), torch.cat([st.v] + rows_v, 2))
-            out, (k, v) = head.layer(toks_in, feats_in, pos, past, mask)
+            out, (k, v) = self.head.layer(toks_in, feats_in, pos, past, mask)
             rows_k.append(k)
             rows_v.append(v)
             for j, (i, _, _) in enumerate(level):
@@ -169,9 +155,62 @@ class Eagle2(Method):
             nxt = []
             for j, (i, pv, _) in enumerate(level):
                 for t, p in zip(toks[j].tolist(), probs[j].tolist()):
-                    c = tree.add(i, t, HEAD)
+                    c = tree.add(i, t, HEAD, head_rank(p))
                     if c > 0:
                         q.append(p)
                         nxt.append((c, pv * p, out[0, j]))
             level = nxt
+        return tree, q
+
+
+class Eagle2(Method):
+    name = "eagle2"
+    offers_candidates = True
+    features = True
+
+    def __init__(self, cfg: EagleConfig = EagleConfig(), cost: CostCurve | None = None) -> None:
+        self.cfg = cfg
+        self.cost = cost
+        self.drafter: HeadDrafter | None = None
+        self.st = HeadState()
+
+    def prepare(self, model, forward, tokenizer=None) -> None:
+        self.drafter = HeadDrafter(find_head(model, self.cfg, required=True), self.cfg)
+        if self.cost is None:
+            self.cost = load_or_measure(model, forward)
+
+    def start(self) -> None:
+        self.st = HeadState()
+
+    def take_features(self, hidden: torch.Tensor) -> None:
+        self.st.feats.append(hidden.detach().float())
+
+    def begin(self, tokens: list[int]) -> None:
+        self.drafter.begin(self.st, tokens)
+
+    def commit(self, tokens: list[int]) -> None:
+        self.st.tokens.extend(tokens)
+
+    def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
+                   min_prob: float = 0.0) -> Candidates:
+        tree, q = self.drafter.grow(self.st, anchor, max_depth, min_prob)
         return Candidates(tree, q)
+
+
+def merge(base: DraftTree, qb: list[float], extra: DraftTree, qe: list[float]) -> tuple[DraftTree, list[float]]:
+    """`base` with `extra`'s nodes merged in, trie-style, and each node's probability given its parent (a node
+    both hold keeps `base`'s source and the larger probability)."""
+    tree = base.subtree(list(range(len(base))))
+    tree.route = "tree"
+    q = list(qb)
+    at = {0: 0}
+    for i in range(1, len(extra)):
+        p = at[extra.parents[i]]
+        j = tree.children[p].get(extra.tokens[i])
+        if j is None:
+            j = tree.add(p, extra.tokens[i], extra.sources[i], extra.ranks[i])
+            q.append(qe[i])
+        else:
+            q[j] = max(q[j], qe[i])
+        at[i] = j
+    return tree, q

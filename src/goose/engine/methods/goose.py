@@ -1,9 +1,15 @@
 """`goose`: GOOSE's spine trees sized by the device's measured cost curve, drafting from the context and the
-cross-request suffix memory (`load_budget`: the candidate tree's size under load)."""
+cross-request suffix memory (`load_budget`: the candidate tree's size under load), and from a trained draft head
+when one is packaged for the model (or given: `EagleConfig.head`; "none" keeps `goose` training-free, as
+`goose-nohead` is). The head's EAGLE-2 tree (`eagle2.HeadDrafter`) is merged into the spine tree's candidates:
+its confident chain competes with the context and memory spines, its top-k with the adjacency branches, and
+its nodes' acceptance is learned per head confidence and depth (`acceptance.head_key`) like every other
+source's, so the selector verifies the subtree that pays whichever source drafted it."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ...config import DeviceAwareConfig, GooseConfig
 from ...drafting.memory import MemoryDraft
@@ -15,6 +21,7 @@ from ...selection.costmodel import CostCurve
 from ...selection.selector import Candidates, allocate
 from ..measure import load_or_measure
 from ..verify import WalkResult
+from .eagle2 import HeadDrafter, HeadState, find_head, merge
 from .goose_paper import GoosePaper
 
 
@@ -45,6 +52,8 @@ class DeviceAwareGoose(GoosePaper):
         self._chain_ranks = None  # its nodes' memory groups (None: an n-gram chain)
         self._learn = True  # harvest the next verified step (False: its candidates had no branch that could pay)
         self._set_cost(cost)
+        self.drafter: HeadDrafter | None = None  # the draft head's (set by `prepare` when there is one)
+        self.hst = HeadState()
 
     def _set_cost(self, cost: CostCurve | None) -> None:
         self.cost = cost
@@ -56,10 +65,18 @@ class DeviceAwareGoose(GoosePaper):
     def prepare(self, model, forward, tokenizer=None) -> None:
         if self.cost is None:
             self._set_cost(load_or_measure(model, forward))
+        head = find_head(model, self.cfg.eagle, required=False)
+        if head is not None:
+            self.drafter = HeadDrafter(head, self.cfg.eagle)
+            self.features = True
 
     def start(self) -> None:
         super().start()
         self._learn = True  # before the prefill, whose chunks are harvested
+        self.hst = HeadState()
+
+    def take_features(self, hidden) -> None:
+        self.hst.feats.append(hidden.detach().float())
 
     def new_index(self) -> NgramIndex:
         """Matches down to `DeviceAwareConfig.ngram_sizes` (2 tokens by default; their chains priced apart)."""
@@ -69,9 +86,32 @@ class DeviceAwareGoose(GoosePaper):
         super().begin(tokens)
         if not self.cfg.device_aware.carry_over:
             self.acc.reset()
+        if self.drafter is not None:
+            self.drafter.begin(self.hst, tokens)
+
+    def commit(self, tokens: list[int]) -> None:
+        super().commit(tokens)
+        if self.drafter is not None:
+            self.hst.tokens.extend(tokens)
 
     def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
                    min_prob: float = 0.0) -> Candidates:
+        """The context/memory spine tree's candidates (`_spine_candidates`), with the draft head's tree merged in
+        when there is a head: each head node priced by its group's learned acceptance (`head_key`)."""
+        base = self._spine_candidates(anchor, prev, max_depth, min_prob)
+        if self.drafter is None:
+            return base
+        htree, _ = self.drafter.grow(self.hst, anchor, max_depth, min_prob)
+        if len(htree) == 1:
+            return base
+        hq = [1.0] + self.acc.node_probs(htree, self._kind)[0][1:]
+        bt, bp = base.tree, base.probs
+        qb = [1.0] + [bp[i] / bp[bt.parents[i]] if bp[bt.parents[i]] > 0 else 0.0 for i in range(1, len(bt))]
+        tree, q = merge(bt, qb, htree, hq)
+        return Candidates(tree, q)
+
+    def _spine_candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
+                          min_prob: float = 0.0) -> Candidates:
         """The candidate tree (cut at `max_depth`) and its nodes' path probabilities; the step loop chooses
         the subtree to verify (`selector.allocate`, for one request the same rule as `draft`). `min_prob`:
         the caller's estimate of the path probability a node must reach to pay for its row. When no child of

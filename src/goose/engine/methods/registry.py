@@ -8,6 +8,7 @@ the two differ).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from ... import names
 from ...config import GooseConfig
@@ -36,10 +37,16 @@ REGISTRY: dict[str, Factory] = {
     "iso5": lambda vocab, cfg, cost: Isotropic(vocab, 5, cfg),
     "goose-paper": lambda vocab, cfg, cost: GoosePaper(vocab, cfg),
     "goose": lambda vocab, cfg, cost: DeviceAwareGoose(vocab, cfg, cost),
+    "goose-nohead": lambda vocab, cfg, cost: DeviceAwareGoose(vocab, _no_head(cfg), cost),
     "lookahead": lambda vocab, cfg, cost: Lookahead(),
     "rest": lambda vocab, cfg, cost: Rest(),
     "eagle2": lambda vocab, cfg, cost: Eagle2(cfg.eagle, cost),
 }
+
+def _no_head(cfg: GooseConfig) -> GooseConfig:
+    """`cfg` with the draft head off (`goose-nohead`: GOOSE training-free, whatever heads are packaged)."""
+    return replace(cfg, eagle=replace(cfg.eagle, head="none"))
+
 
 METHODS = tuple(REGISTRY)
 if METHODS != names.METHODS:
