@@ -16,9 +16,11 @@ from pathlib import Path
 
 from .cliargs import (
     METHODS,
+    add_head_arg,
     add_model_args,
     add_sampling_args,
     first_mismatch,  # noqa: F401  (re-exported)
+    goose_config,
     method_name,
     positive_int,
     sampling_options,
@@ -77,7 +79,7 @@ def cmd_generate(args) -> int:
     model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=args.arith)
     from .decoding import Decoder  # (after the load: a first run compiles kernels while transformers imports)
 
-    dec = Decoder(model, tok, args.method)
+    dec = Decoder(model, tok, args.method, goose_config(args))
     ids = dec.encode(prompt, chat=args.chat)
     if args.stream:
         text = []
@@ -250,6 +252,7 @@ def build_parser(load: set[str] | None = None) -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", help="read the prompt from this file")
     add_model_args(g)
     g.add_argument("--method", type=method_name, default="goose", help=f"one of {', '.join(METHODS)} (default goose)")
+    add_head_arg(g)
     g.add_argument("--max-new-tokens", type=positive_int, default=128, help="default 128")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")

@@ -28,6 +28,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "against plain greedy decoding in the same arithmetic")
 
 
+def add_head_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--head", default=None,
+                   help="draft head folder for eagle2 and goose (`goose train-head`); 'none' = no head (goose stays "
+                        "training-free); default: the head packaged for the model, if any")
+
+
+def goose_config(args):
+    """The GooseConfig of `--head` (None when it is not given: every default)."""
+    if getattr(args, "head", None) is None:
+        return None
+    from .config import EagleConfig, GooseConfig
+
+    return GooseConfig(eagle=EagleConfig(head=args.head))
+
+
 def int_in(low: int, high: int | None = None):
     """An argparse type: an integer in low..high (no upper bound when high is None)."""
 

@@ -109,10 +109,11 @@ class DraftHead(nn.Module):
         return f.cos(), f.sin()
 
     def layer(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, past=None,
-              mask: torch.Tensor | None = None):
+              mask: torch.Tensor | None = None, cache: "HeadCache | None" = None, at: int = 0):
         """Rows ``[B, n]`` of (token after, feature): returns ``(out [B, n, hidden], (k, v))`` with this call's
         keys and values ``[B, K, n, D]``. `past`: earlier keys and values ``[B, K, P, D]`` the rows also see;
-        `mask`: ``[n, P + n]`` bool (True: may attend), default causal over past + rows."""
+        or `cache` (B = 1): the rows' keys and values are written at row `at` of it and the rows see its first
+        `at` rows (P = at). `mask`: ``[n, P + n]`` bool (True: may attend), default causal over past + rows."""
         c = self.cfg
         B, n = tokens.shape
         x = self.fc(torch.cat([self.embed[tokens].to(feats.dtype), feats], dim=-1))
@@ -123,7 +124,11 @@ class DraftHead(nn.Module):
         cos, sin = self.rope(positions)
         cos, sin = cos.to(q.dtype)[:, None], sin.to(q.dtype)[:, None]  # [B, 1, n, D]
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        kk, vv = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        if cache is not None:
+            kk, vv = cache.write(at, k, v)
+            past = True
+        else:
+            kk, vv = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
         if mask is None and past is None:
             o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=True)
         else:
@@ -159,6 +164,28 @@ class DraftHead(nn.Module):
             out["lm_head.weight"] = self.lm_head.weight
         out["d2t"] = self.d2t - torch.arange(len(self.d2t))
         return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+class HeadCache:
+    """One sequence's head keys and values, ``[1, K, capacity, D]`` each, preallocated and grown by doubling."""
+
+    def __init__(self) -> None:
+        self.k = self.v = None
+
+    def write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[1, K, n, D]`` written at `at`; returns the keys and values of rows ``0 .. at + n``."""
+        end = at + k.shape[2]
+        if self.k is None or self.k.shape[2] < end:
+            cap = max(256, end, 2 * (0 if self.k is None else self.k.shape[2]))
+            nk = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            nv = torch.empty_like(nk)
+            if self.k is not None:
+                nk[:, :, :at] = self.k[:, :, :at]
+                nv[:, :, :at] = self.v[:, :, :at]
+            self.k, self.v = nk, nv
+        self.k[:, :, at:end] = k
+        self.v[:, :, at:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 def save_head(head: DraftHead, folder: Path, extra: dict | None = None, dtype=torch.float16) -> Path:

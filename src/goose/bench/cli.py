@@ -10,7 +10,15 @@ import time
 from pathlib import Path
 
 from .. import cachefs
-from ..cliargs import add_model_args, add_sampling_args, positive_int, prefix_cache_mb, sampling_options
+from ..cliargs import (
+    add_head_arg,
+    add_model_args,
+    add_sampling_args,
+    goose_config,
+    positive_int,
+    prefix_cache_mb,
+    sampling_options,
+)
 from ..config import DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB, check_memory_mb
 from ..errors import GooseError
 from ..loading.packaged import DEFAULT_MODEL
@@ -84,7 +92,7 @@ def run_bench(args, questions: list, dataset: str, argv: list[str], replace: boo
     baseline = load_baseline(args.model, args.dtype, args.device)[0] if any(m in HF_METHODS for m in methods) \
         else None
     runner = Runner(model, tok, methods, args.max_new_tokens, args.chat, args.repeats, model_id=pinned["model"],
-                    sampling=pinned["sampling"], baseline=baseline, memory_mb=memory_mb or 0)
+                    config=goose_config(args), sampling=pinned["sampling"], baseline=baseline, memory_mb=memory_mb or 0)
     freeze_heap()  # no method's timing may hold a ~200 ms full collection of the libraries and models
     meta = {**store.environment(pinned["model"], model, args.dtype, args.device, argv), **pinned,
             "weights": weights_kind(model), "baseline_weights": None if baseline is None else "float32 (transformers)",
@@ -230,6 +238,7 @@ def _split(text: str | None) -> list[str] | None:
 
 def _common(p: argparse.ArgumentParser, max_new: int, out: str, methods: str) -> None:
     add_model_args(p)
+    add_head_arg(p)
     p.add_argument("--methods", default=methods,
                    help=f"comma-separated, from {', '.join(ALL_METHODS)} (default {methods}); 'ar' is always run "
                         f"as the reference of the lossless check and the speedups")

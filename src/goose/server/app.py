@@ -856,9 +856,9 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
           max_body_bytes: int = 1 << 20, default_max_tokens: int = 512, log_level: str = "info",
           weights: str | None = None, metrics_key: str | None = None, allowed_hosts=None, max_restarts: int = 1,
           arith: str = "exact", api_keys: ApiKeys | None = None, hide_sources: bool = False,
-          stall_s: float = STALL_S) -> int:
+          stall_s: float = STALL_S, config=None) -> int:
     """Load `model`, start an Engine with `engine_config` (`SERVE_ENGINE`: the engine's defaults with a queue
-    of 64) and serve it until SIGINT / SIGTERM (running requests get `drain_timeout` seconds to finish). A
+    of 64) and the methods' `config` (a GooseConfig; None: the defaults) and serve it until SIGINT / SIGTERM (running requests get `drain_timeout` seconds to finish). A
     failed engine is rebuilt up to `max_restarts` times; after that the server stops.
     `allowed_hosts` None: the loopback names when `host` is a loopback address, else any host; `api_keys`,
     `hide_sources`, `stall_s`: as `create_app`'s. Returns the exit status: 0, or 1 when the server stopped
@@ -873,7 +873,7 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
     net, tok = load_model(model, dtype, device, weights=weights, arith=arith)  # (the Engine takes its arith)
 
     def build():
-        return Engine(net, tok, method, engine_config=engine_config)
+        return Engine(net, tok, method, config=config, engine_config=engine_config)
 
     if allowed_hosts is None:
         allowed_hosts = LOOPBACK_HOSTS if host_name(host) in LOOPBACK_HOSTS or host.startswith("127.") else None

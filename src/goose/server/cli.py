@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cliargs import add_model_args, int_in, method_name, positive_int, prefix_cache_mb
+from ..cliargs import add_head_arg, add_model_args, goose_config, int_in, method_name, positive_int, prefix_cache_mb
 from ..config import DEFAULT_MAX_TENANTS, DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB, EngineConfig
 from ..config import DEFAULT_STALL_S as STALL_S
 from .keys import MAX_KEY_CHARS, MAX_KEY_LINES, MAX_TENANT_CHARS, read_key_file
@@ -85,7 +85,7 @@ def cmd_serve(args) -> int:
                  max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
                  weights=getattr(args, "weights", None), arith=args.arith, metrics_key=metrics_key,
                  allowed_hosts=hosts, max_restarts=args.max_restarts, api_keys=keys,
-                 hide_sources=args.hide_draft_sources, stall_s=args.stall_timeout)
+                 hide_sources=args.hide_draft_sources, stall_s=args.stall_timeout, config=goose_config(args))
 
 
 def cmd_bench_serve(args) -> int:
@@ -99,6 +99,7 @@ def register(sub) -> None:
     add_model_args(s)
     s.add_argument("--method", type=method_name, default="goose",
                    help="default method of every request (a request's 'speculative' field overrides it)")
+    add_head_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=_port, default=8000, help="default 8000")
     s.add_argument("--max-batch", type=positive_int, default=8, help="requests decoded together (default 8)")

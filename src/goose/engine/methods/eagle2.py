@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ...backends.head import DraftHead, load_head, packaged_head
+from ...backends.head import DraftHead, HeadCache, load_head, packaged_head
 from ...config import EagleConfig
 from ...drafting.tree import HEAD, DraftTree
 from ...errors import GooseError
@@ -38,17 +38,14 @@ from .base import Method
 class HeadState:
     """One request's head: its KV cache (rows of verified positions), the features not yet run through it."""
 
-    __slots__ = ("k", "v", "feats", "fpos", "tokens")
+    __slots__ = ("cache", "length", "feats", "fpos", "tokens")
 
     def __init__(self) -> None:
-        self.k = self.v = None  # [1, K, n, D]
+        self.cache = HeadCache()
+        self.length = 0  # rows of verified positions in the cache (beyond them: a step's draft rows)
         self.feats: list[torch.Tensor] = []  # pending features, positions fpos..
         self.fpos = -1  # position of the first pending feature (set by `HeadDrafter.begin`)
         self.tokens: list[int] = []  # committed tokens (prompt + generated)
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
 
 
 def find_head(model, cfg: EagleConfig, required: bool) -> DraftHead | None:
@@ -92,10 +89,8 @@ class HeadDrafter:
         if len(toks) != n:
             raise GooseError(f"the head's features ({n}) and tokens ({len(toks)}) disagree")
         pos = torch.arange(st.fpos, st.fpos + n)
-        past = None if st.k is None else (st.k, st.v)
-        out, (k, v) = self.head.layer(toks[None], feats[None], pos[None], past)
-        st.k = k if st.k is None else torch.cat([st.k, k], 2)
-        st.v = v if st.v is None else torch.cat([st.v, v], 2)
+        out, _ = self.head.layer(toks[None], feats[None], pos[None], cache=st.cache, at=st.length)
+        st.length += n
         st.fpos += n
         return out[0, -1]
 
@@ -125,15 +120,14 @@ class HeadDrafter:
             if i > 0:
                 q.append(p)
                 level.append((i, p, last))
-        rows_k, rows_v = [], []  # this step's expansion rows' keys and values
-        row_of: dict[int, int] = {}  # tree index -> its expansion row
+        row_of: dict[int, int] = {}  # tree index -> its expansion row (after the cache's verified rows)
         L = st.length
+        m0 = 0  # expansion rows of this step so far
         for d in range(2, depth_cap + 1):
             level = sorted((x for x in level if x[1] >= min_prob), key=lambda x: -x[1])[: cfg.top_k]
             if not level:
                 break
             n = len(level)
-            m0 = sum(k.shape[2] for k in rows_k)  # earlier expansion rows of this step
             mask = torch.zeros(n, L + m0 + n, dtype=torch.bool)
             mask[:, :L] = True
             for j, (i, _, _) in enumerate(level):
@@ -145,12 +139,10 @@ class HeadDrafter:
             toks_in = torch.tensor([tree.tokens[i] for i, _, _ in level])[None]
             feats_in = torch.stack([f for _, _, f in level])[None]
             pos = torch.full((1, n), r + d - 2, dtype=torch.long)
-            past = (torch.cat([st.k] + rows_k, 2), torch.cat([st.v] + rows_v, 2))
-            out, (k, v) = self.head.layer(toks_in, feats_in, pos, past, mask)
-            rows_k.append(k)
-            rows_v.append(v)
+            out, _ = self.head.layer(toks_in, feats_in, pos, mask=mask, cache=st.cache, at=L + m0)
             for j, (i, _, _) in enumerate(level):
                 row_of[i] = m0 + j
+            m0 += n
             toks, probs = self._children(out[0])
             nxt = []
             for j, (i, pv, _) in enumerate(level):
