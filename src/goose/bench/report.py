@@ -12,8 +12,11 @@ COLUMNS = (
     ("speedup vs hf-ar", "speedup_vs_hf_ar", "{:.2f}x"), ("τ", "tau", "{:.2f}"), ("MAT", "mat", "{:.2f}"),
     ("acc. spine", "acceptance_rate_spine", "{:.1%}"), ("acc. branch", "acceptance_rate_branch", "{:.1%}"),
     ("spine/branch", "heterogeneity", "{:.1f}x"), ("spine cont.", "spine_continuation_share", "{:.1%}"),
-    ("tree size", "mean_tree_size", "{:.1f}"),
+    ("tree size", "mean_tree_size", "{:.1f}"), ("draft ms/step", "draft_ms_per_step", "{:.2f}"),
+    ("forward ms/step", "forward_ms_per_step", "{:.2f}"),
 )
+# shown when a method drafted from a draft head (eagle2, goose with a head)
+HEAD_COLUMNS = (("acc. head", "acceptance_rate_head", "{:.1%}"),)
 # shown when the run has memory variants (goose@cold, goose@earlier, goose@warm)
 MEMORY_COLUMNS = (("acc. memory", "acceptance_rate_memory", "{:.1%}"), ("from memory", "memory_token_share", "{:.1%}"))
 PER_CATEGORY = (("Speedup vs ar", "speedup_vs_ar", "{:.2f}x"), ("Speedup vs hf-ar", "speedup_vs_hf_ar", "{:.2f}x"),
@@ -29,8 +32,12 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(r) + " |" for r in rows]
 
 
+def _heads(summary: dict) -> bool:
+    return any(summary["table"][m][ALL].get("drafted_head") for m in summary["methods"])
+
+
 def overall_table(summary: dict) -> list[str]:
-    cols = COLUMNS + (MEMORY_COLUMNS if memory_groups(summary) else ())
+    cols = COLUMNS + (MEMORY_COLUMNS if memory_groups(summary) else ()) + (HEAD_COLUMNS if _heads(summary) else ())
     rows = []
     for m in summary["methods"]:
         cell = summary["table"][m][ALL]

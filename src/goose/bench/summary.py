@@ -1,6 +1,7 @@
 """Aggregate the answers files of a run into `summary.json`: τ (new tokens per target forward), MAT (mean
-accepted tokens per step + 1), acceptance per draft source (spine, branch, memory), the share of tokens drafted
-from the suffix memory, and tokens per second, per method.
+accepted tokens per step + 1), acceptance per draft source (spine, branch, memory, head), the share of tokens
+drafted from the suffix memory, milliseconds of drafting and of the forward per step, and tokens per second, per
+method.
 
 Tables compare methods on the same prompts: only questions that every method has answered count (a
 partial or interrupted run reports how many were left out). Ratios are of sums (tokens / seconds,
@@ -51,6 +52,10 @@ def aggregate(rows: list[dict]) -> dict:
     cont, cont_tok = _sum(st, "spine_continuations"), _sum(st, "spine_continuation_tokens")
     m["spine_continuation_share"] = _ratio(cont, steps)
     m["spine_continuation_token_share"] = _ratio(cont_tok, tokens)
+    stage = None if any(s.get("stage_ms") is None for s in st) else \
+        {k: sum(s["stage_ms"].get(k, 0.0) for s in st) for k in ("draft", "forward")}
+    m["draft_ms_per_step"] = _ratio(stage["draft"], steps) if stage else None  # drafting a step's tree
+    m["forward_ms_per_step"] = _ratio(stage["forward"], steps) if stage else None
     sizes = None if any(s.get("tree_sizes") is None for s in st) else [n for s in st for n in s["tree_sizes"]]
     m["mean_tree_size"] = sum(sizes) / len(sizes) if sizes else None
     return m
