@@ -286,3 +286,38 @@ def test_train_head_refuses_what_does_not_fit_in_memory(worded, tmp_path):
     with pytest.raises(GooseError, match="budget"):
         train_head(model, tok, LeanForward(model), tmp_path / "h", tmp_path / "w",
                    _tiny_cfg(conversations=100000, max_tokens=4096))
+
+
+def test_train_head_refuses_features_collected_for_other_settings(worded, tmp_path):
+    from goose.backends.lean import LeanForward
+    from goose.headtrain import train_head
+
+    model, tok = worded
+    fwd = LeanForward(model)
+    train_head(model, tok, fwd, tmp_path / "a", tmp_path / "w", _tiny_cfg())
+    with pytest.raises(GooseError, match="other settings"):
+        train_head(model, tok, fwd, tmp_path / "b", tmp_path / "w", _tiny_cfg(conversations=4))
+
+
+def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path):
+    """goose's kernels (Q8_0 blocks or float32 panels) give the head's own forward up to their rounding."""
+    from goose.backends.head import FastHead, HeadCache
+
+    import goose.backends.cpukernel as ck
+
+    if ck.unavailable_reason() is not None:
+        pytest.skip(f"goose's kernels do not run here: {ck.unavailable_reason()}")
+    model = make_tiny_llama(dtype=torch.float32, seed=4)
+    head = load_head(random_head(model, tmp_path / "h", 3, 64), model)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(0.3)
+    fast = FastHead(head)
+    toks = torch.tensor([5, 9, 11, 3])
+    feats = torch.randn(4, 32)
+    pos = torch.arange(4)
+    with torch.no_grad():
+        ref = head.logits(head.layer(toks[None], feats[None], pos[None])[0])[0]
+        got = fast.logits(fast.layer(toks, feats, pos, HeadCache(), 0))
+    tol = 0.1 if fast.kind.startswith("q8") else 1e-4
+    assert (got - ref).abs().max() <= tol * ref.abs().max()

@@ -229,11 +229,17 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
         raise GooseError(f"the features of {cfg.conversations} conversations of up to {cfg.max_tokens} tokens take up "
                          f"to {need:.1f} GB, over the {cfg.memory_gb} GB budget: train on fewer or shorter ones")
     data_path = workdir / "data.pt"
+    # what the collected features depend on: a workdir collected for other settings or another model is refused
+    spec = {"first": cfg.first, "conversations": cfg.conversations, "held_out": list(cfg.held_out),
+            "max_tokens": cfg.max_tokens, "target": HeadConfig.for_target(model, 1).target}
     if data_path.exists():
         data = torch.load(data_path)
+        if data.get("spec") != spec:
+            raise GooseError(f"{data_path} holds features collected for other settings or another model "
+                             f"({data.get('spec')}); use another --workdir or delete it")
         note(f"train-head: reusing the collected features in {data_path}")
     else:
-        data = {}
+        data = {"spec": spec}
         for split, rng in (("train", range(cfg.first, cfg.first + cfg.conversations)),
                            ("held_out", range(*cfg.held_out))):
             with tqdm(desc=f"features ({split})", unit="tok", dynamic_ncols=True) as bar:

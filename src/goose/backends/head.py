@@ -166,6 +166,86 @@ class DraftHead(nn.Module):
         return {k: v.detach().contiguous() for k, v in out.items()}
 
 
+def q8_0_rows(w: torch.Tensor):
+    """``w [n, k]`` (k a multiple of 32) as GGUF Q8_0 rows: per 32 weights a float16 scale and 32 int8 values."""
+    import numpy as np
+
+    n, k = w.shape
+    b = w.detach().float().reshape(n, k // 32, 32).numpy()
+    d = (np.abs(b).max(axis=2) / 127.0).astype(np.float16)
+    safe = np.where(d.astype(np.float32) > 0, d.astype(np.float32), 1.0)
+    q = np.clip(np.rint(b / safe[..., None]), -127, 127).astype(np.int8)
+    rows = np.concatenate([d.view(np.uint8).reshape(n, k // 32, 2), q.view(np.uint8)], axis=2).reshape(n, -1)
+    return [np.ascontiguousarray(r) for r in rows]
+
+
+class FastHead:
+    """The head's forward for drafting on goose's CPU kernels: each projection reads its weight once per call,
+    with the RMSNorms, silu(gate) * up and the residual adds fused into the projections. The weights are held
+    as Q8_0 blocks times 8-bit activations (`goose.backends.int8`: a quarter of float32's bytes) where those
+    kernels run, else as goose's float32 panels. Only drafts depend on the head, so its arithmetic is free."""
+
+    def __init__(self, head: "DraftHead") -> None:
+        from . import cpukernel, int8, quant
+        from .packed import PanelWeight
+
+        c = head.cfg
+        ik, qk = int8.kernels(), quant.kernels_or_none()
+        ck = cpukernel.kernel() if cpukernel.unavailable_reason() is None else None
+        if ck is None and (ik is None or qk is None):
+            raise GooseError("goose's CPU kernels cannot run here")
+        whole = all(w.shape[1] % 32 == 0 for w in (head.fc.weight, head.o_proj.weight, head.down_proj.weight))
+
+        def lin(w: torch.Tensor):
+            w = w.detach().float().contiguous()
+            if ik is not None and qk is not None and whole:
+                qw = qk.pack("Q8_0", q8_0_rows(w), w.shape[1])
+                return lambda x, **f: ik.linear(x, qw, qw.n, None, **f)
+            pw = PanelWeight.pack(ck, w)
+            return lambda x, **f: pw.linear(x, None, **f)
+
+        self.kind = "q8_0-int8" if ik is not None and qk is not None and whole else "float32"
+        self.fc = lin(head.fc.weight)
+        self.qkv = lin(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]))
+        self.o = lin(head.o_proj.weight)
+        self.gate_up = lin(torch.cat([head.gate_proj.weight, head.up_proj.weight]))
+        self.down = lin(head.down_proj.weight)
+        out = head.lm_head.weight if head.lm_head is not None else head.embed_out
+        self.lm = lin(out)
+        eps = c.rms_norm_eps
+        norm = lambda w: None if w is None else (w.detach().float().contiguous(), eps)  # noqa: E731
+        self.ln1, self.ln2, self.norm = norm(head.ln1), norm(head.ln2), norm(head.norm)
+        self.fc_bias = None if head.fc.bias is None else head.fc.bias.detach().float()
+        self.head = head
+
+    def layer(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, cache: "HeadCache",
+              at: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`DraftHead.layer` for one sequence: rows ``[n]`` in, ``out [n, hidden]`` back; keys and values into
+        `cache` at `at`; `mask` ``[n, at + n]`` (default causal)."""
+        c, head = self.head.cfg, self.head
+        n = tokens.shape[0]
+        x = self.fc(torch.cat([head.embed[tokens].float(), feats.float()], dim=-1))
+        if self.fc_bias is not None:
+            x = x + self.fc_bias
+        qkv = self.qkv(x, norm=self.ln1) if self.ln1 is not None else self.qkv(x)
+        H, K, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        q = qkv[:, : H * D].view(n, H, D).transpose(0, 1)[None]
+        k = qkv[:, H * D : (H + K) * D].view(n, K, D).transpose(0, 1)[None]
+        v = qkv[:, (H + K) * D :].view(n, K, D).transpose(0, 1)[None]
+        cos, sin = head.rope(positions)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        kk, vv = cache.write(at, k, v)
+        if mask is None:
+            mask = torch.ones(n, at + n, dtype=torch.bool).tril_(at)
+        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
+        x = self.o(o[0].transpose(0, 1).reshape(n, H * D), out=x.contiguous())
+        gu = self.gate_up(x, norm=self.ln2)
+        return self.down(gu, gated=True, out=x)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm(out, norm=self.norm) if self.norm is not None else self.lm(out)
+
+
 class HeadCache:
     """One sequence's head keys and values, ``[1, K, capacity, D]`` each, preallocated and grown by doubling."""
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ...backends.head import DraftHead, HeadCache, load_head, packaged_head
+from ...backends.head import DraftHead, FastHead, HeadCache, load_head, packaged_head
 from ...config import EagleConfig
 from ...drafting.tree import HEAD, DraftTree
 from ...errors import GooseError
@@ -71,6 +71,18 @@ class HeadDrafter:
 
     def __init__(self, head: DraftHead, cfg: EagleConfig) -> None:
         self.head, self.cfg = head, cfg
+        try:  # goose's kernels where they run (float32 CPU), else the head's PyTorch forward
+            self.fast = FastHead(head) if head.fc.weight.device.type == "cpu" else None
+        except GooseError:
+            self.fast = None
+
+    def _layer(self, toks: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, cache: HeadCache, at: int,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The head over rows ``[n]`` (keys and values into `cache` at `at`): ``out [n, hidden]``."""
+        if self.fast is not None:
+            return self.fast.layer(toks, feats, pos, cache, at, mask)
+        return self.head.layer(toks[None], feats[None].to(self.head.fc.weight.dtype), pos[None], mask=mask,
+                               cache=cache, at=at)[0][0]
 
     def begin(self, st: HeadState, tokens: list[int]) -> None:
         st.tokens = list(tokens)
@@ -89,14 +101,15 @@ class HeadDrafter:
         if len(toks) != n:
             raise GooseError(f"the head's features ({n}) and tokens ({len(toks)}) disagree")
         pos = torch.arange(st.fpos, st.fpos + n)
-        out, _ = self.head.layer(toks[None], feats[None], pos[None], cache=st.cache, at=st.length)
+        out = self._layer(toks, feats, pos, st.cache, st.length)
         st.length += n
         st.fpos += n
-        return out[0, -1]
+        return out[-1]
 
     def _children(self, outs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's `top_k` draft tokens (target ids) and their probabilities."""
-        probs = torch.softmax(self.head.logits(outs).float(), dim=-1)
+        logits = self.fast.logits(outs) if self.fast is not None else self.head.logits(outs)
+        probs = torch.softmax(logits.float(), dim=-1)
         p, i = probs.topk(min(self.cfg.top_k, probs.shape[-1]), dim=-1)
         return self.head.d2t[i], p
 
@@ -136,21 +149,21 @@ class HeadDrafter:
                     mask[j, L + row_of[a]] = True
                     a = tree.parents[a]
                 mask[j, L + m0 + j] = True
-            toks_in = torch.tensor([tree.tokens[i] for i, _, _ in level])[None]
-            feats_in = torch.stack([f for _, _, f in level])[None]
-            pos = torch.full((1, n), r + d - 2, dtype=torch.long)
-            out, _ = self.head.layer(toks_in, feats_in, pos, mask=mask, cache=st.cache, at=L + m0)
+            toks_in = torch.tensor([tree.tokens[i] for i, _, _ in level])
+            feats_in = torch.stack([f for _, _, f in level])
+            pos = torch.full((n,), r + d - 2, dtype=torch.long)
+            out = self._layer(toks_in, feats_in, pos, st.cache, L + m0, mask)
             for j, (i, _, _) in enumerate(level):
                 row_of[i] = m0 + j
             m0 += n
-            toks, probs = self._children(out[0])
+            toks, probs = self._children(out)
             nxt = []
             for j, (i, pv, _) in enumerate(level):
                 for t, p in zip(toks[j].tolist(), probs[j].tolist()):
                     c = tree.add(i, t, HEAD, head_rank(p))
                     if c > 0:
                         q.append(p)
-                        nxt.append((c, pv * p, out[0, j]))
+                        nxt.append((c, pv * p, out[j]))
             level = nxt
         return tree, q
 
