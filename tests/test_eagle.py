@@ -75,7 +75,9 @@ def test_goose_nohead_and_head_none_stay_training_free(tiny_model, tmp_path):
     assert Decoder(tiny_model, None, "goose-nohead", cfg, cost=FLAT).method.drafter is None
     off = GooseConfig(eagle=EagleConfig(head="none"))
     assert Decoder(tiny_model, None, "goose", off, cost=FLAT).method.drafter is None
-    assert not Decoder(tiny_model, None, "goose", cost=FLAT).method.features  # no head packaged for it
+    assert not Decoder(tiny_model, None, "goose", cost=FLAT).method.features  # goose names no head by default
+    packaged = GooseConfig(eagle=EagleConfig(head="packaged"))
+    assert Decoder(tiny_model, None, "goose", packaged, cost=FLAT).method.drafter is None  # none packaged for it
     with pytest.raises(GooseError, match="needs a draft head"):
         Decoder(tiny_model, None, "eagle2", off, cost=FLAT)
 
@@ -321,3 +323,26 @@ def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path):
         got = fast.logits(fast.layer(toks, feats, pos, HeadCache(), 0))
     tol = 0.1 if fast.kind.startswith("q8") else 1e-4
     assert (got - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_goose_rests_a_head_that_does_not_pay_and_probes_it():
+    from goose.engine.methods.goose import _HeadPay
+
+    pay = _HeadPay(EagleConfig(pay_rate=0.5, probe_every=4))
+    drafted = []
+    for _ in range(40):  # 2 ms of drafting a step, never accepted; a plain step costs 5 ms
+        on = pay.drafts(5.0)
+        drafted.append(on)
+        if on:
+            pay.ms = 2.0
+        pay.observe(0)
+    assert drafted[:2] == [True, True]  # tried first
+    assert sum(drafted[10:]) in (7, 8) and not all(drafted[10:])  # one step in four
+    pay2 = _HeadPay(EagleConfig(pay_rate=0.5, probe_every=4))
+    for _ in range(20):  # one accepted token a step is worth 5 ms: the head keeps drafting
+        assert pay2.drafts(5.0)
+        pay2.ms = 2.0
+        pay2.observe(1)
+    always = _HeadPay(EagleConfig(probe_every=0))
+    always.cost, always.gain = 100.0, 0.0
+    assert always.drafts(1.0)

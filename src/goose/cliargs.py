@@ -30,8 +30,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_head_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", default=None,
-                   help="draft head folder for eagle2 and goose (`goose train-head`); 'none' = no head (goose stays "
-                        "training-free); default: the head packaged for the model, if any")
+                   help="draft head for eagle2 and goose: a folder (`goose train-head`), 'packaged' (the model's "
+                        "packaged head) or 'none'; default: packaged for eagle2, none for goose (training-free)")
 
 
 def goose_config(args):

@@ -245,14 +245,25 @@ class EagleConfig:
     Each step the head drafts `depth` levels: the root's `top_k` most likely children, then at each level the
     `top_k` nodes of highest joint draft probability get `top_k` children each; every node drafted is a
     candidate, and the device-aware selector verifies the subtree of highest path probability that pays for
-    its rows (EAGLE-2's rerank, sized by this device's cost curve). `head`: the head's folder (None: the head
-    packaged for the model, `goose.heads`)."""
+    its rows (EAGLE-2's rerank, sized by this device's cost curve). `head`: the head's folder, "packaged" (the
+    head packaged for the model, `goose.heads`) or "none"; None: "packaged" for `eagle2`, "none" for `goose`
+    (a head drafts inside `goose` only when named: the packaged SmolLM2 head does not pay there on the CPUs
+    measured, docs/performance.md)."""
 
     head: str | None = None
     depth: int = 5
     top_k: int = 4
+    # `goose` only: the head drafts while the tokens it adds (its nodes on accepted paths, per step: an average
+    # over about 1 / `pay_rate` steps) are worth its drafting time at the cost of a plain step; otherwise it rests,
+    # drafting one step in `probe_every` to measure again. 0 probes: the head always drafts.
+    pay_rate: float = 0.1
+    probe_every: int = 16
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.pay_rate <= 1.0:
+            raise GooseError(f"eagle pay_rate must be in (0, 1], got {self.pay_rate}")
+        if self.probe_every < 0:
+            raise GooseError(f"eagle probe_every must be >= 0, got {self.probe_every}")
         if not 1 <= self.depth <= 32:
             raise GooseError(f"eagle depth must be in 1..32, got {self.depth}")
         if not 1 <= self.top_k <= 64:

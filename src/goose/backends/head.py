@@ -224,7 +224,9 @@ class FastHead:
         `cache` at `at`; `mask` ``[n, at + n]`` (default causal)."""
         c, head = self.head.cfg, self.head
         n = tokens.shape[0]
-        x = self.fc(torch.cat([head.embed[tokens].float(), feats.float()], dim=-1))
+        emb = head.embed
+        emb = emb.rows_of(tokens.tolist()) if hasattr(emb, "rows_of") else emb[tokens].float()
+        x = self.fc(torch.cat([emb, feats if feats.dtype == torch.float32 else feats.float()], dim=-1))
         if self.fc_bias is not None:
             x = x + self.fc_bias
         qkv = self.qkv(x, norm=self.ln1) if self.ln1 is not None else self.qkv(x)
@@ -235,10 +237,15 @@ class FastHead:
         cos, sin = head.rope(positions)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         kk, vv = cache.write(at, k, v)
+        G = H // K  # grouped-query attention as two batched products over the K key-value heads
+        s = torch.matmul(q[0].reshape(K, G * n, D), kk[0].transpose(1, 2)) * (D ** -0.5)  # [K, G * n, at + n]
         if mask is None:
-            mask = torch.ones(n, at + n, dtype=torch.bool).tril_(at)
-        o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
-        x = self.o(o[0].transpose(0, 1).reshape(n, H * D), out=x.contiguous())
+            if n > 1:
+                s[:, :, at:].view(K, G, n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril_(), float("-inf"))
+        else:
+            s.view(K, G, n, at + n).masked_fill_(~mask, float("-inf"))
+        o = torch.matmul(torch.softmax(s, dim=-1), vv[0])  # [K, G * n, D]
+        x = self.o(o.view(H, n, D).transpose(0, 1).reshape(n, H * D), out=x)
         gu = self.gate_up(x, norm=self.ln2)
         return self.down(gu, gated=True, out=x)
 

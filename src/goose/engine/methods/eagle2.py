@@ -49,14 +49,16 @@ class HeadState:
 
 
 def find_head(model, cfg: EagleConfig, required: bool) -> DraftHead | None:
-    """The head `cfg.head` names (None: the one packaged for `model`; "none": no head), loaded and checked.
-    A missing packaged head is an error when `required`, else None."""
-    if cfg.head == "none":
+    """The head `cfg.head` names, loaded and checked: a folder, "packaged" (the one packaged for `model`) or
+    "none". None means "packaged" when the head is `required` (`eagle2`) and "none" otherwise (`goose`, which
+    stays training-free unless a head is named). A missing packaged head is an error when `required`."""
+    name = cfg.head if cfg.head is not None else ("packaged" if required else "none")
+    if name == "none":
         if required:
             raise GooseError("eagle2 needs a draft head; head='none' turns it off")
         return None
-    path = cfg.head
-    if path is None:
+    path = name
+    if name == "packaged":
         path = packaged_head(model)
         if path is None:
             if required:

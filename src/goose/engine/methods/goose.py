@@ -1,7 +1,7 @@
 """`goose`: GOOSE's spine trees sized by the device's measured cost curve, drafting from the context and the
 cross-request suffix memory (`load_budget`: the candidate tree's size under load), and from a trained draft head
-when one is packaged for the model (or given: `EagleConfig.head`; "none" keeps `goose` training-free, as
-`goose-nohead` is). The head's EAGLE-2 tree (`eagle2.HeadDrafter`) is merged into the spine tree's candidates:
+when one is named (`EagleConfig.head`: a folder or "packaged"; by default `goose` is training-free, and
+`goose-nohead` always is). The head's EAGLE-2 tree (`eagle2.HeadDrafter`) is merged into the spine tree's candidates:
 its confident chain competes with the context and memory spines, its top-k with the adjacency branches, and
 its nodes' acceptance is learned per head confidence and depth (`acceptance.head_key`) like every other
 source's, so the selector verifies the subtree that pays whichever source drafted it."""
@@ -9,13 +9,13 @@ source's, so the selector verifies the subtree that pays whichever source drafte
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+import time
 
 from ...config import DeviceAwareConfig, GooseConfig
 from ...drafting.memory import MemoryDraft
 from ...drafting.ngram import NgramIndex, Proposal, chain_confidence
 from ...drafting.spine import build_spine_tree
-from ...drafting.tree import BRANCH, DraftTree
+from ...drafting.tree import BRANCH, HEAD, DraftTree
 from ...selection.acceptance import SHORT, AcceptanceModel, match_kind, memory_rank
 from ...selection.costmodel import CostCurve
 from ...selection.selector import Candidates, allocate
@@ -33,6 +33,36 @@ def load_budget(min_prob: float, spine: int = 0, cfg: DeviceAwareConfig = Device
     if min_prob <= 0:
         return None
     return max(cfg.load_min_budget, 1 + spine + math.ceil(cfg.load_depths / min_prob))
+
+
+class _HeadPay:
+    """Whether the draft head pays for its drafting time in this request: its accepted nodes per step (those no
+    other source proposed) times the milliseconds of a plain step, against its own milliseconds per step, both
+    averaged (`EagleConfig.pay_rate`). A head that does not pay rests, drafting one step in `probe_every` so the
+    averages follow the text; its positions are caught up in one call when it drafts again."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.gain = 1.0  # head tokens accepted per drafted step (optimistic: a new request tries the head)
+        self.cost = 0.0  # the head's milliseconds per drafted step
+        self.ms: float | None = None  # this step's, when the head drafted
+        self.rested = 0  # steps since the head last drafted
+
+    def drafts(self, step_ms: float) -> bool:
+        c = self.cfg
+        if c.probe_every == 0 or self.gain * step_ms >= self.cost or self.rested + 1 >= c.probe_every:
+            return True
+        self.rested += 1
+        return False
+
+    def observe(self, accepted: int) -> None:
+        if self.ms is None:
+            return
+        a = self.cfg.pay_rate
+        first = self.cost == 0.0
+        self.cost = self.ms if first else (1 - a) * self.cost + a * self.ms
+        self.gain = (1 - a) * self.gain + a * accepted
+        self.ms, self.rested = None, 0
 
 
 class DeviceAwareGoose(GoosePaper):
@@ -54,6 +84,7 @@ class DeviceAwareGoose(GoosePaper):
         self._set_cost(cost)
         self.drafter: HeadDrafter | None = None  # the draft head's (set by `prepare` when there is one)
         self.hst = HeadState()
+        self._head = _HeadPay(cfg.eagle)
 
     def _set_cost(self, cost: CostCurve | None) -> None:
         self.cost = cost
@@ -74,6 +105,7 @@ class DeviceAwareGoose(GoosePaper):
         super().start()
         self._learn = True  # before the prefill, whose chunks are harvested
         self.hst = HeadState()
+        self._head = _HeadPay(self.cfg.eagle)
 
     def take_features(self, hidden) -> None:
         self.hst.feats.append(hidden.detach().float())
@@ -99,9 +131,11 @@ class DeviceAwareGoose(GoosePaper):
         """The context/memory spine tree's candidates (`_spine_candidates`), with the draft head's tree merged in
         when there is a head: each head node priced by its group's learned acceptance (`head_key`)."""
         base = self._spine_candidates(anchor, prev, max_depth, min_prob)
-        if self.drafter is None:
+        if self.drafter is None or not self._head.drafts(self.cost(1) if self.cost is not None else 0.0):
             return base
+        t = time.perf_counter()
         htree, _ = self.drafter.grow(self.hst, anchor, max_depth, min_prob)
+        self._head.ms = (time.perf_counter() - t) * 1e3
         if len(htree) == 1:
             return base
         hq = [1.0] + self.acc.node_probs(htree, self._kind)[0][1:]
@@ -203,6 +237,7 @@ class DeviceAwareGoose(GoosePaper):
 
     def observe(self, tree: DraftTree, walk: WalkResult) -> None:
         super().observe(tree, walk)
+        self._head.observe(sum(tree.sources[i] == HEAD for i in walk.path[1:]))
         if len(tree) > 1:
             self.acc.update(tree, self.acc.keys(tree, self._kind), walk)
         self._observe_unbuilt(tree, walk)
