@@ -97,27 +97,26 @@ def _oracle_head(model, folder):
     return save_head(head, folder, cfg["goose"], dtype=torch.float32)
 
 
-def test_eagle2_accepts_head_drafts_and_stays_lossless(tiny_model, tmp_path):
-    folder = _oracle_head(tiny_model, tmp_path / "h")
-    dec = Decoder(tiny_model, None, eagle(tiny_model, folder, depth=4, top_k=6))
-    rng = random.Random(0)
+def _accepted_head_tokens(model, dec, rng) -> int:
+    """Head tokens `dec` accepted over 6 random prompts, each decoded token-identical to greedy."""
     accepted = 0
     for _ in range(6):
         prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(1, 12))]
         out, stats = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=30))
-        assert out == hf_greedy(tiny_model, prompt, 30)
-        accepted += stats.accepted["head"]
+        assert out == hf_greedy(model, prompt, 30)
         assert len(stats.depth_drafted["head"]) >= 1
-    assert accepted > 0  # the walk took head drafts: the accepted-path bookkeeping (features back) ran
+        accepted += stats.accepted["head"]
+    return accepted
+
+
+def test_eagle2_and_goose_accept_head_drafts_and_stay_lossless(tiny_model, tmp_path):
+    folder = _oracle_head(tiny_model, tmp_path / "h")
+    rng = random.Random(0)
+    dec = Decoder(tiny_model, None, eagle(tiny_model, folder, depth=4, top_k=6))
+    assert _accepted_head_tokens(tiny_model, dec, rng) > 0  # the accepted-path bookkeeping (features back) ran
     cfg = GooseConfig(eagle=EagleConfig(head=str(folder), depth=4, top_k=6))
     dec = Decoder(tiny_model, None, "goose", cfg, cost=FLAT)
-    accepted = 0
-    for _ in range(6):
-        prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(1, 12))]
-        out, stats = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=30))
-        assert out == hf_greedy(tiny_model, prompt, 30)
-        accepted += stats.accepted["head"]
-    assert accepted > 0  # goose verified and accepted head nodes
+    assert _accepted_head_tokens(tiny_model, dec, rng) > 0  # goose verified and accepted head nodes
 
 
 def test_engine_eagle2_concurrent_requests_equal_greedy(tiny_model, tmp_path):
