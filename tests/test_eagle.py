@@ -302,9 +302,8 @@ def test_train_head_refuses_features_collected_for_other_settings(worded, tmp_pa
 
 def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path):
     """goose's kernels (Q8_0 blocks or float32 panels) give the head's own forward up to their rounding."""
-    from goose.backends.head import FastHead, HeadCache
-
     import goose.backends.cpukernel as ck
+    from goose.backends.head import FastHead, HeadCache
 
     if ck.unavailable_reason() is not None:
         pytest.skip(f"goose's kernels do not run here: {ck.unavailable_reason()}")

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from conftest import TINY_EOS, TINY_VOCAB, greedy_memo, hf_greedy, make_tiny_llama, method_for
 from goose import DecodeConfig, Decoder, Engine, GooseError
-from goose.config import GooseConfig
 from goose.backends.forward import HFForward
 from goose.backends.lean import LeanForward
+from goose.config import GooseConfig
 from goose.drafting.tree import BRANCH, SPINE, DraftTree
 from goose.engine.methods import make_method
 from goose.engine.step import Slot, step

@@ -18,8 +18,8 @@ class Stats:
     wall_time_s: float = 0.0
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose keys and values came from the engine's prefix cache
-    drafted: dict[str, int] = field(default_factory=lambda: {"spine": 0, "branch": 0, "memory": 0, "head": 0})
-    accepted: dict[str, int] = field(default_factory=lambda: {"spine": 0, "branch": 0, "memory": 0, "head": 0})
+    drafted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    accepted: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
     spine_continuations: int = 0  # steps where both spine and branch tokens were accepted
     spine_continuation_tokens: int = 0  # branch tokens accepted after the spine in those steps
     accept_lengths: list[int] = field(default_factory=list)  # draft tokens accepted per decoding step
@@ -28,8 +28,8 @@ class Stats:
     # milliseconds spent per step stage (draft, tensorize, forward, verify, compact, harvest, commit)
     stage_ms: dict[str, float] = field(default_factory=dict)
     # per source, per depth (index 0 = depth 1): drafted and accepted node counts
-    depth_drafted: dict[str, list[int]] = field(default_factory=lambda: {"spine": [], "branch": [], "memory": [], "head": []})
-    depth_accepted: dict[str, list[int]] = field(default_factory=lambda: {"spine": [], "branch": [], "memory": [], "head": []})
+    depth_drafted: dict[str, list[int]] = field(default_factory=lambda: {k: [] for k in SOURCES})
+    depth_accepted: dict[str, list[int]] = field(default_factory=lambda: {k: [] for k in SOURCES})
 
     @property
     def tau(self) -> float:

@@ -858,8 +858,9 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
           arith: str = "exact", api_keys: ApiKeys | None = None, hide_sources: bool = False,
           stall_s: float = STALL_S, config=None) -> int:
     """Load `model`, start an Engine with `engine_config` (`SERVE_ENGINE`: the engine's defaults with a queue
-    of 64) and the methods' `config` (a GooseConfig; None: the defaults) and serve it until SIGINT / SIGTERM (running requests get `drain_timeout` seconds to finish). A
-    failed engine is rebuilt up to `max_restarts` times; after that the server stops.
+    of 64) and the methods' `config` (a GooseConfig; None: the defaults) and serve it until SIGINT / SIGTERM
+    (running requests get `drain_timeout` seconds to finish). A failed engine is rebuilt up to `max_restarts`
+    times; after that the server stops.
     `allowed_hosts` None: the loopback names when `host` is a loopback address, else any host; `api_keys`,
     `hide_sources`, `stall_s`: as `create_app`'s. Returns the exit status: 0, or 1 when the server stopped
     because its engine failed (uvicorn itself exits with status 1 or 3 when it cannot start, e.g. on a taken
