@@ -105,7 +105,7 @@ def test_chat_completion_equals_greedy_decoding(client, worded, speculative):
         assert r.choices[0].finish_reason == ("stop" if ids[-1] == TINY_EOS else "length")
         assert r.usage.completion_tokens == len(ids) and r.usage.prompt_tokens == len(chat_ids(tok, prompt))
         assert g["method"] == {None: "goose", "off": "ar", "pld": "pld"}[speculative]
-        assert g["forward_calls"] >= 1 and g["tau"] > 0 and set(g["accepted"]) == {"spine", "branch", "memory"}
+        assert g["forward_calls"] >= 1 and g["tau"] > 0 and set(g["accepted"]) == {"spine", "branch", "memory", "head"}
 
 
 def test_stream_matches_non_stream_and_ends_with_usage(client, worded):

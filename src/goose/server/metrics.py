@@ -21,6 +21,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..engine.stats import SOURCES
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
 _TAU = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0)
@@ -131,7 +133,7 @@ class Metrics:
         self.cached_tokens.inc(st.cached_tokens)
         self.generation_tokens.inc(st.new_tokens)
         self.forward_calls.inc(st.forward_calls)
-        for src in ("spine", "branch", "memory"):  # memory: drafted from earlier requests (the suffix memory)
+        for src in SOURCES:  # memory: drafted from earlier requests (the suffix memory); head: a draft head
             self.accepted.labels(src).inc(st.accepted.get(src, 0))
             self.drafted.labels(src).inc(st.drafted.get(src, 0))
         if st.forward_calls:
