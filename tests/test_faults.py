@@ -142,6 +142,7 @@ def test_kill_during_dequantization_then_rerun(raced, gguf_file, tmp_path, monke
 
 def test_gguf_copies_are_keyed_by_content(tmp_path, monkeypatch):
     """Same file name and size, other weights: another copy; a file rewritten in place: hashed again."""
+    from goose.loading import digest
     from goose.loading import model as gm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -156,7 +157,7 @@ def test_gguf_copies_are_keyed_by_content(tmp_path, monkeypatch):
     assert not torch.equal(wa["model.embed_tokens.weight"], wb["model.embed_tokens.weight"])
 
     calls = []  # the GGUF hashed ("hashing ... to name its cached copy")
-    monkeypatch.setattr(gm, "note", lambda msg: calls.append(1) if msg.startswith("hashing") else None)
+    monkeypatch.setattr(digest, "note", lambda msg: calls.append(1) if msg.startswith("hashing") else None)
     assert gm.model_dir(str(a)) == da and calls == []  # remembered: not hashed again
     time.sleep(0.01)
     write_tiny_gguf(a, seed=2)  # same path and size, new content (and mtime)

@@ -14,7 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -32,148 +31,19 @@ from ..backends.quant import (
 from ..errors import GooseError
 from ..paths import cache_root
 from ..progress import note
+from .digest import file_sha256
+from .gguf_file import (  # noqa: F401  (re-exported: the reader is part of this module's API)
+    _LAYER_NAMES,
+    ARCHITECTURES,
+    GGUFTensor,
+    _permutation,
+    check_architecture,
+    read_gguf,
+    tensor_bytes,
+)
 from .stream import stream_load
 
 # ---- GGUF -> model --------------------------------------------------------------------------------------
-
-# GGUF tensor name (per layer, after "blk.{i}.") -> module path under model.model.layers[i]
-_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
-# architectures whose tensors map this way (llama's q/k rows are permuted by llama.cpp's converter)
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
-
-
-def check_architecture(meta: dict) -> str:
-    """The file's architecture (``general.architecture``) when goose keeps blocks of it; GooseError otherwise."""
-    arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GooseError(f"GGUF weights are implemented for {', '.join(ARCHITECTURES)}, not '{arch}'")
-    return arch
-
-
-def _permutation(n: int, heads: int) -> np.ndarray:
-    """HF row i of a llama q/k projection is GGUF row perm[i] (the inverse of llama.cpp's rope permutation)."""
-    dim = n // heads // 2
-    return np.arange(n).reshape(heads, dim, 2).swapaxes(1, 2).reshape(n)
-
-
-class GGUFTensor:
-    """One tensor of a GGUF file: GGML type name, shape (GGUF order: ne0 = the row length first), where its
-    bytes lie, and how many there are."""
-
-    __slots__ = ("name", "type", "shape", "offset", "nbytes")
-
-    def __init__(self, name: str, type_name: str, shape: list[int], offset: int, nbytes: int) -> None:
-        self.name, self.type, self.shape, self.offset, self.nbytes = name, type_name, shape, offset, nbytes
-
-
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
-def read_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
-    """The scalar and string metadata and the tensor table of a GGUF file (v2/v3), checked against the file's
-    size; tensor bytes are read later, one tensor at a time (`tensor_bytes`). A lean parser: gguf's
-    GGUFReader builds a Python object per vocabulary entry (~170 MB for a 49k vocabulary)."""
-    import mmap
-    import struct
-
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    def bad(why: str) -> GooseError:
-        return GooseError(f"cannot read GGUF file {path}: {why}")
-
-    try:
-        f = open(path, "rb")
-    except OSError as exc:
-        raise bad(str(exc)) from exc
-    with f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 24:
-            raise bad("truncated header")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            pos = 0
-
-            def take(fmt: str):
-                nonlocal pos
-                n = struct.calcsize(fmt)
-                if pos + n > size:
-                    raise bad("truncated metadata")
-                v = struct.unpack_from(fmt, mm, pos)[0]
-                pos += n
-                return v
-
-            def string() -> str:
-                nonlocal pos
-                n = take("<Q")
-                if pos + n > size:
-                    raise bad("truncated string")
-                v = bytes(mm[pos:pos + n]).decode("utf-8", "replace")
-                pos += n
-                return v
-
-            def value(kind: int):
-                nonlocal pos
-                if kind in _SCALARS:
-                    return take(_SCALARS[kind])
-                if kind == 8:
-                    return string()
-                if kind == 9:
-                    item, count = take("<I"), take("<Q")
-                    if item in _SCALARS:  # skipped without reading
-                        pos += count * struct.calcsize(_SCALARS[item])
-                        if pos > size:
-                            raise bad("truncated array")
-                    else:
-                        for _ in range(count):
-                            value(item)
-                    return None
-                raise bad(f"unknown metadata type {kind}")
-
-            if bytes(mm[:4]) != b"GGUF":
-                raise bad("not a GGUF file (no GGUF magic)")
-            pos = 4
-            version = take("<I")
-            if version not in (2, 3):
-                raise bad(f"GGUF version {version} is not supported")
-            n_tensors, n_kv = take("<Q"), take("<Q")
-            meta = {}
-            for _ in range(n_kv):
-                key = string()
-                meta[key] = value(take("<I"))
-            infos = []
-            for _ in range(n_tensors):
-                name = string()
-                dims = [take("<Q") for _ in range(take("<I"))]
-                infos.append((name, dims, take("<I"), take("<Q")))
-    align = meta.get("general.alignment") or 32
-    start = -(-pos // align) * align
-    tensors = {}
-    for name, dims, code, offset in infos:
-        try:
-            qtype = GGMLQuantizationType(code)
-            block, bbytes = GGML_QUANT_SIZES[qtype]
-        except (ValueError, KeyError) as exc:
-            raise bad(f"tensor {name} has an unknown type {code}") from exc
-        count = int(np.prod(dims)) if dims else 1
-        if not dims or dims[0] % block:
-            raise bad(f"tensor {name}: rows of {dims[:1]} are not whole {qtype.name} blocks")
-        nbytes = count // block * bbytes
-        if start + offset + nbytes > size:
-            raise bad(f"tensor {name} runs past the end of the file (truncated?)")
-        tensors[name] = GGUFTensor(name, qtype.name, dims, start + offset, nbytes)
-    return meta, tensors
-
-
-def tensor_bytes(path: Path, t: GGUFTensor, rows: int) -> np.ndarray:
-    """A tensor's bytes as ``[rows, bytes per row]`` uint8 (read from the file, no mapping kept)."""
-    with open(path, "rb") as f:
-        f.seek(t.offset)
-        data = np.fromfile(f, dtype=np.uint8, count=t.nbytes)
-    if data.size != t.nbytes:
-        raise GooseError(f"cannot read GGUF file {path}: tensor {t.name} is truncated")
-    return data.reshape(rows, -1)
-
 
 def _notice(msg: str) -> None:
     print(f"goose: {msg}", file=sys.stderr)
@@ -321,7 +191,6 @@ def load_gguf_model(source: Path | None, weights: str | None, dtype: torch.dtype
 
 def _meta_load(gguf: Path, attn_implementation: str):
     from .gguf_folder import blocks_dir
-    from .model import file_sha256
 
     digest = file_sha256(gguf)  # (once per file version: remembered in the cache)
     folder = blocks_dir(gguf, digest)
@@ -368,7 +237,6 @@ def _code_hash(kern: QuantKernels) -> str:
 def panel_cache_path(gguf: Path, kern: QuantKernels, digest: str | None = None) -> Path:
     """Where the packed panels of `gguf` are kept (named by its content's sha256 `digest`, else hashed once per
     file version, `goose.loading.model.file_sha256`)."""
-    from .model import file_sha256
 
     digest = digest or file_sha256(gguf)
     return cache_root() / "models" / PANEL_DIR / f"{gguf.stem}-{digest[:16]}-{_code_hash(kern)}.bin"

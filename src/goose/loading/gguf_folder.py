@@ -28,8 +28,8 @@ from .. import cachefs
 from ..errors import GooseError
 from ..paths import cache_root
 from ..progress import note
-from .gguf import _LAYER_NAMES as PROJECTIONS
-from .gguf import check_architecture
+from .gguf_file import _LAYER_NAMES as PROJECTIONS
+from .gguf_file import check_architecture
 
 FOLDER_FORMAT = 2  # bumped when what the folder holds changes
 BLOCKS_DIR = "blocks"
@@ -135,7 +135,7 @@ def build(gguf: Path, out: Path, cfg_dict: dict | None = None) -> None:
     from safetensors.torch import save_file
     from transformers import CONFIG_MAPPING, GenerationConfig
 
-    from .gguf import read_gguf
+    from .gguf_file import read_gguf
 
     if cfg_dict is None:
         cfg_dict = gguf_config(*_metadata(gguf))
@@ -196,7 +196,7 @@ def small_tensors(gguf: Path, tensors: dict, cfg) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     from ..backends.quant import FORMATS
-    from .gguf import _permutation, tensor_bytes
+    from .gguf_file import _permutation, tensor_bytes
 
     llama = cfg.model_type == "llama"
     out = {}

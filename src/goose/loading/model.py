@@ -14,7 +14,6 @@ a damaged entry is built again, one another user owns or may write is refused.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -26,10 +25,10 @@ from .. import cachefs
 from ..errors import GooseError
 from ..paths import cache_root, package_file  # noqa: F401  (re-exported)
 from ..progress import note
+from .digest import HASH_MEMO, _read_memo, file_sha256  # noqa: F401  (re-exported)
 from .packaged import DEFAULT_MODEL, PACKAGED, Packaged  # noqa: F401  (re-exported)
 
 SOURCE_RECORD = "goose-source.json"  # beside a dequantized model: which GGUF (path, size, sha256) it came from
-HASH_MEMO = "gguf-sha256.json"  # path|size|mtime -> sha256, so a GGUF is hashed once
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -159,38 +158,6 @@ def _dequantize(gguf: Path, target: Path) -> None:
 def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text if len(text) <= 300 else text[:297] + "..."
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file's content, computed once per (path, size, mtime) and remembered in the cache."""
-    st = path.stat()
-    memo_file = cache_root() / "models" / HASH_MEMO
-    entry = f"{path}|{st.st_size}|{st.st_mtime_ns}"
-    memo = _read_memo(memo_file)
-    if entry in memo:
-        return memo[entry]
-    note(f"hashing {path.name} ({st.st_size / 2**20:.0f} MiB) to name its cached copy (once per file version)")
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    digest = h.hexdigest()
-    with cachefs.lock(memo_file):
-        memo = _read_memo(memo_file)
-        memo = {k: v for k, v in memo.items() if not k.startswith(f"{path}|")}  # older versions of this file
-        memo[entry] = digest
-        cachefs.write_text(memo_file, json.dumps(memo, indent=1) + "\n")
-    return digest
-
-
-def _read_memo(path: Path) -> dict:
-    """The remembered hashes, or none when the file is missing or damaged (`cachefs.read_entry`)."""
-    data = cachefs.read_entry(path)
-    try:
-        memo = json.loads(data) if data is not None else {}
-    except ValueError:
-        return {}
-    return {k: v for k, v in memo.items() if isinstance(v, str)} if isinstance(memo, dict) else {}
 
 
 def _check_config(path: Path) -> None:
