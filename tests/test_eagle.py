@@ -344,3 +344,19 @@ def test_goose_rests_a_head_that_does_not_pay_and_probes_it():
     always = _HeadPay(EagleConfig(probe_every=0))
     always.cost, always.gain = 100.0, 0.0
     assert always.drafts(1.0)
+
+
+def test_a_head_fits_a_lower_precision_copy_of_its_model_but_not_another_model(tmp_path):
+    from goose.backends.head import target_identity, target_mismatch
+
+    model = make_tiny_llama(dtype=torch.float32, seed=4)
+    folder = random_head(model, tmp_path / "h", 0, 30)
+    mine = target_identity(model)
+    half = target_identity(make_tiny_llama(dtype=torch.float32, seed=4).to(torch.bfloat16))
+    assert not target_mismatch(mine, half)
+    near = dict(mine, lm_head_digest=mine["lm_head_digest"] * 1.0005)  # rounding apart: the same weights
+    far = dict(mine, lm_head_digest=mine["lm_head_digest"] * 1.01)
+    assert not target_mismatch(near, mine) and target_mismatch(far, mine)
+    assert load_head(folder, model) is not None
+    other = target_identity(make_tiny_llama(dtype=torch.float32, seed=5))
+    assert target_mismatch(mine, other) == [f"lm_head_digest {mine['lm_head_digest']} vs {other['lm_head_digest']}"]

@@ -74,6 +74,23 @@ def target_identity(model) -> dict:
             "num_hidden_layers": c.num_hidden_layers, "lm_head_digest": round(float(rows.abs().sum()), 2)}
 
 
+def target_mismatch(trained: dict, model_identity: dict) -> list[str]:
+    """What differs between the identity a head was trained for and a model's (`target_identity`): the shape
+    exactly, the output head's digest within 0.1% (a bfloat16 copy of the same weights sums slightly apart)."""
+    out = []
+    for k, mine in model_identity.items():
+        if k not in trained:
+            continue
+        theirs = trained[k]
+        if k == "lm_head_digest" and isinstance(theirs, (int, float)):
+            same = abs(theirs - mine) <= 1e-3 * max(abs(theirs), abs(mine), 1e-9)
+        else:
+            same = theirs == mine
+        if not same:
+            out.append(f"{k} {theirs} vs {mine}")
+    return out
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     a, b = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-b, a], dim=-1) * sin
@@ -342,10 +359,9 @@ def load_head(folder: str | Path, model, dtype=torch.float32) -> DraftHead:
         raise bad(f"{raw.get('num_hidden_layers')} decoder layers; an EAGLE head has one")
     target = (raw.get("goose") or {}).get("target")
     if target:
-        mine = target_identity(model)
-        diff = [k for k in mine if k in target and target[k] != mine[k]]
+        diff = target_mismatch(target, target_identity(model))
         if diff:
-            raise bad("trained for another model (" + ", ".join(f"{k} {target[k]} vs {mine[k]}" for k in diff) + ")")
+            raise bad("trained for another model (" + ", ".join(diff) + ")")
     try:
         cfg = HeadConfig(hidden, int(raw["num_attention_heads"]), int(raw.get("num_key_value_heads",
                          raw["num_attention_heads"])), int(raw.get("head_dim") or hidden // raw["num_attention_heads"]),
@@ -413,6 +429,7 @@ def packaged_head(model) -> Path | None:
             raw = json.loads((folder / CONFIG).read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(raw, dict) and (raw.get("goose") or {}).get("target") == mine:
+        target = (raw.get("goose") or {}).get("target") if isinstance(raw, dict) else None
+        if isinstance(target, dict) and set(target) == set(mine) and not target_mismatch(target, mine):
             return folder
     return None
