@@ -33,6 +33,11 @@ class EngineFailed(EngineClosed):
 class RequestFailed(GooseError):
     """One request's own stage failed; the engine and the other requests go on."""
 
+    @classmethod
+    def stage(cls, stage: str, exc: BaseException) -> "RequestFailed":
+        """The error of a request whose `stage` (drafting, the forward, ...) raised `exc`."""
+        return cls(f"{stage} failed: {type(exc).__name__}: {exc}")
+
 
 class RequestCancelled(GooseError):
     """The request was cancelled before it finished."""

@@ -441,7 +441,7 @@ class Engine:
             fn(*args)
             return True
         except Exception as exc:
-            r._finish("error", exc if stage is None else RequestFailed(f"{stage} failed: {type(exc).__name__}: {exc}"))
+            r._finish("error", exc if stage is None else RequestFailed.stage(stage, exc))
             return False
 
     def _next_step(self) -> bool:
@@ -563,7 +563,7 @@ class Engine:
         try:
             self._check_weights()
         except Exception as exc:
-            err = RequestFailed(f"checking the model's weights failed: {type(exc).__name__}: {exc}")
+            err = RequestFailed.stage("checking the model's weights", exc)
             self.prefixes.clear()
             with self._cond:
                 for r in [*self._running, *self._waiting]:

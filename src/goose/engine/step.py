@@ -110,7 +110,7 @@ class Slot:
 
     def fail(self, stage: str, exc: BaseException) -> None:
         """This request's own stage raised `exc`: it is over (`error` says why); the others go on."""
-        self.error = RequestFailed(f"{stage} failed: {type(exc).__name__}: {exc}")
+        self.error = RequestFailed.stage(stage, exc)
         self.state, self.finish_reason, self.new, self.new_sources = DONE, "error", [], []
 
     def commit(self, new: list[int], sources: list[int] | None = None) -> None:
