@@ -165,20 +165,22 @@ class DraftHead(nn.Module):
         return self.lm_head(h) if self.lm_head is not None else h @ self.embed_out.T
 
     # ---- files -----------------------------------------------------------------------------------------
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights under the EAGLE checkpoint names (see the module docstring), those this head has."""
+        out = [("fc.weight", self.fc.weight)]
+        out += [(f"layers.0.self_attn.{n}.weight", getattr(self, n).weight) for n in ("q_proj", "k_proj", "v_proj",
+                                                                                    "o_proj")]
+        out += [(f"layers.0.mlp.{n}.weight", getattr(self, n).weight) for n in ("gate_proj", "up_proj", "down_proj")]
+        out.append(("layers.0.post_attention_layernorm.weight", self.ln2))
+        for name, t in (("layers.0.input_layernorm.weight", self.ln1), ("norm.weight", self.norm),
+                        ("lm_head.weight", None if self.lm_head is None else self.lm_head.weight)):
+            if t is not None:
+                out.append((name, t))
+        return out
+
     def state(self) -> dict[str, torch.Tensor]:
-        """The weights under the EAGLE checkpoint names (see the module docstring)."""
-        out = {"fc.weight": self.fc.weight}
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[f"layers.0.self_attn.{n}.weight"] = getattr(self, n).weight
-        for n in ("gate_proj", "up_proj", "down_proj"):
-            out[f"layers.0.mlp.{n}.weight"] = getattr(self, n).weight
-        out["layers.0.post_attention_layernorm.weight"] = self.ln2
-        if self.ln1 is not None:
-            out["layers.0.input_layernorm.weight"] = self.ln1
-        if self.norm is not None:
-            out["norm.weight"] = self.norm
-        if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head.weight
+        """`named` with `d2t` (as offsets), detached: what a checkpoint holds."""
+        out = dict(self.named())
         out["d2t"] = self.d2t - torch.arange(len(self.d2t))
         return {k: v.detach().contiguous() for k, v in out.items()}
 
@@ -376,10 +378,8 @@ def load_head(folder: str | Path, model, dtype=torch.float32) -> DraftHead:
     if not own:  # the target's output head, in float32 (rows of GGUF blocks are read out whole)
         out_w = model.get_output_embeddings().weight
         head.embed_out = (out_w if isinstance(out_w, torch.Tensor) else out_w[torch.arange(vocab)]).detach().float()
-    names = head.state()
+    names = dict(head.named())
     for k, t in names.items():
-        if k == "d2t":
-            continue
         if k not in w:
             raise bad(f"{wpath.name} has no {k}")
         if tuple(w[k].shape) != tuple(t.shape):
@@ -388,11 +388,8 @@ def load_head(folder: str | Path, model, dtype=torch.float32) -> DraftHead:
     if extra:
         raise bad(f"{wpath.name} holds weights goose does not know: {', '.join(extra[:4])}")
     with torch.no_grad():
-        params = dict(head.named_parameters())
-        for k, p in zip(names, _param_order(head)):
-            if p is not None:
-                p.copy_(w[k].to(p.dtype))
-        del params
+        for k, p in names.items():
+            p.copy_(w[k].to(p.dtype))
         if "d2t" in w:
             d2t = w["d2t"].long().reshape(-1)
             if len(d2t) != cfg.draft_vocab_size:
@@ -404,19 +401,6 @@ def load_head(folder: str | Path, model, dtype=torch.float32) -> DraftHead:
         if "fc.bias" in w:
             head.fc.bias = nn.Parameter(w["fc.bias"].float())
     return head.to(dtype).eval()
-
-
-def _param_order(head: DraftHead) -> list:
-    """The tensors `state()` names, in its order (None for d2t)."""
-    out = [head.fc.weight] + [getattr(head, n).weight for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    out += [getattr(head, n).weight for n in ("gate_proj", "up_proj", "down_proj")] + [head.ln2]
-    if head.ln1 is not None:
-        out.append(head.ln1)
-    if head.norm is not None:
-        out.append(head.norm)
-    if head.lm_head is not None:
-        out.append(head.lm_head.weight)
-    return out + [None]
 
 
 def packaged_head(model) -> Path | None:

@@ -47,6 +47,13 @@ class HeadState:
         self.fpos = -1  # position of the first pending feature (set by `HeadDrafter.begin`)
         self.tokens: list[int] = []  # committed tokens (prompt + generated)
 
+    def take_features(self, hidden: torch.Tensor) -> None:
+        """The target's final hidden states of the next positions entering its cache (`Method.take_features`)."""
+        self.feats.append(hidden.detach().float())
+
+    def commit(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
 
 def find_head(model, cfg: EagleConfig, required: bool) -> DraftHead | None:
     """The head `cfg.head` names, loaded and checked: a folder, "packaged" (the one packaged for `model`) or
@@ -190,13 +197,13 @@ class Eagle2(Method):
         self.st = HeadState()
 
     def take_features(self, hidden: torch.Tensor) -> None:
-        self.st.feats.append(hidden.detach().float())
+        self.st.take_features(hidden)
 
     def begin(self, tokens: list[int]) -> None:
         self.drafter.begin(self.st, tokens)
 
     def commit(self, tokens: list[int]) -> None:
-        self.st.tokens.extend(tokens)
+        self.st.commit(tokens)
 
     def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
                    min_prob: float = 0.0) -> Candidates:

@@ -108,7 +108,7 @@ class DeviceAwareGoose(GoosePaper):
         self._head = _HeadPay(self.cfg.eagle)
 
     def take_features(self, hidden) -> None:
-        self.hst.feats.append(hidden.detach().float())
+        self.hst.take_features(hidden)
 
     def new_index(self) -> NgramIndex:
         """Matches down to `DeviceAwareConfig.ngram_sizes` (2 tokens by default; their chains priced apart)."""
@@ -124,7 +124,7 @@ class DeviceAwareGoose(GoosePaper):
     def commit(self, tokens: list[int]) -> None:
         super().commit(tokens)
         if self.drafter is not None:
-            self.hst.tokens.extend(tokens)
+            self.hst.commit(tokens)
 
     def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
                    min_prob: float = 0.0) -> Candidates:
