@@ -254,7 +254,7 @@ class GPUForward(Forward):
         dtype in fixed mode (None: "bf16" on CUDA, "fp32" elsewhere). `graphs`: capture CUDA graphs per bucket
         (None: on CUDA); `make_graph` makes the graph objects (a stand-in, for tests off CUDA). `max_len`: cache
         entries per sequence; `slots`: caches alive at once. `use_triton`: the fixed mode's Triton kernels (None:
-        where they run; see `fixed_kernels`)."""
+        on CUDA; True: also under Triton's interpreter on CPU; see `fixed_kernels.fixed_kernels`)."""
         why = unsupported_reason(model)
         if why is not None:
             raise GooseError(f"GPUForward does not support this model: {why}")
@@ -301,7 +301,8 @@ class GPUForward(Forward):
         self.runner = None
         if use_graphs:
             pool = torch.cuda.graph_pool_handle() if make_graph is None else None
-            self.runner = GraphRunner(self._graph_step, make_graph or (lambda: CudaGraph(pool)), self.device, buckets)
+            fit = tuple(b for b in buckets if b <= self.capacity)  # (a larger one never fits a slot)
+            self.runner = GraphRunner(self._graph_step, make_graph or (lambda: CudaGraph(pool)), self.device, fit)
             with self._numerics(), torch.inference_mode():
                 self.runner.capture_all(self._stage_scratch)
         self.backend = self._backend_name()
@@ -341,6 +342,7 @@ class GPUForward(Forward):
             return torch.cat([p.to(dev, dt) for p in parts]).contiguous()
 
         self.embed = put(base.embed_tokens.weight)  # [V, hid]
+        self.vocab = self.embed.shape[0]
         self.layers = []
         for layer in base.layers:
             a, m, L = layer.self_attn, layer.mlp, _Layer()
@@ -445,6 +447,8 @@ class GPUForward(Forward):
         n = len(s.tokens)
         if n == 0:
             raise GooseError("no tokens to forward")
+        if min(s.tokens) < 0 or max(s.tokens) >= self.vocab:  # (on a GPU a bad index would stop the device)
+            raise GooseError(f"token ids must lie in 0..{self.vocab - 1}")
         p = c.length
         if p + n > self.capacity:
             raise GooseError(f"the sequence needs {p + n} cache entries; this GPUForward holds {self.capacity} per "

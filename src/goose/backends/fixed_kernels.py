@@ -29,6 +29,7 @@ Triton). The two give different bits; each is row-count independent on its own.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,19 @@ def triton_reason(device: torch.device) -> str | None:
 
 
 # ---- Triton kernels ---------------------------------------------------------------------------------------------
-if triton is not None:
+_BUILT: dict = {}
+
+
+def _kernels():
+    """The Triton kernels, made on first use (so TRITON_INTERPRET is read then, not when goose is imported): the
+    interpreted ones and the compiled ones are kept apart."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpret not in _BUILT:
+        _BUILT[interpret] = _define()
+    return _BUILT[interpret]
+
+
+def _define() -> SimpleNamespace:
 
     @triton.jit
     def _linear_kernel(x, w, b, y, M, N, K, sxm, swn, sym,
@@ -144,6 +157,9 @@ if triton is not None:
             m_i = m_new
         tl.store(o + row * sob + h * soh + dl, (acc / l_i).to(o.dtype.element_ty), mask=dm)
 
+    return SimpleNamespace(linear=_linear_kernel, rms=_rms_kernel, silu_mul=_silu_mul_kernel,
+                           attention=_attention_kernel)
+
 
 def _pow2(n: int, lo: int = 16) -> int:
     p = lo
@@ -170,9 +186,9 @@ class TritonFixed:
         N = w.shape[0]
         y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
         grid = (triton.cdiv(M, self.bm), triton.cdiv(N, self.bn))
-        _linear_kernel[grid](x, w, bias if bias is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-                             HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, DOT=x.device.type == "cuda",
-                             BM=self.bm, BN=self.bn, BK=self.bk)
+        _kernels().linear[grid](x, w, bias if bias is not None else w, y, M, N, K, x.stride(0), w.stride(0),
+                                y.stride(0), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                                DOT=x.device.type == "cuda", BM=self.bm, BN=self.bn, BK=self.bk)
         return y
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -180,7 +196,7 @@ class TritonFixed:
         y = torch.empty_like(x)
         N = x.shape[-1]
         rows = x.numel() // N
-        _rms_kernel[(rows,)](x, w, y, N, eps, N, N, BLOCK=min(_pow2(N), 1024))
+        _kernels().rms[(rows,)](x, w, y, N, eps, N, N, BLOCK=min(_pow2(N), 1024))
         return y
 
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
@@ -189,7 +205,7 @@ class TritonFixed:
         inter = two_i // 2
         y = torch.empty(M, inter, dtype=gu.dtype, device=gu.device)
         block = 1024
-        _silu_mul_kernel[(M, triton.cdiv(inter, block))](gu, y, inter, gu.stride(0), y.stride(0), BLOCK=block)
+        _kernels().silu_mul[(M, triton.cdiv(inter, block))](gu, y, inter, gu.stride(0), y.stride(0), BLOCK=block)
         return y
 
     def attention(self, q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, meta: torch.Tensor,
@@ -200,7 +216,7 @@ class TritonFixed:
         B, H, D = q.shape
         G = H // kf.shape[1]
         o = torch.empty_like(q)
-        _attention_kernel[(B, H)](q, kf, vf, o, meta, depth, anc, scale, G, D, q.stride(0), q.stride(1),
+        _kernels().attention[(B, H)](q, kf, vf, o, meta, depth, anc, scale, G, D, q.stride(0), q.stride(1),
                                   kf.stride(0), kf.stride(1), o.stride(0), o.stride(1), anc.stride(0),
                                   BT=self.bt, BD=_pow2(D))
         return o
@@ -256,10 +272,11 @@ class TorchFixed:
 
 
 def fixed_kernels(device: torch.device, use_triton: bool | None = None):
-    """The fixed-order kernels for `device`: Triton's where it runs there (None: when available), else PyTorch's
-    loop (`TorchFixed`). ``use_triton=True`` raises GooseError where Triton cannot run."""
+    """The fixed-order kernels for `device`: Triton's (None: on CUDA when Triton is installed; True: also on CPU
+    under Triton's interpreter, which is slow), else PyTorch's row loop (`TorchFixed`). ``use_triton=True``
+    raises GooseError where Triton cannot run."""
     why = triton_reason(device)
-    if use_triton or (use_triton is None and why is None):
+    if use_triton or (use_triton is None and why is None and device.type == "cuda"):
         if why is not None:
             raise GooseError(f"the fixed mode's Triton kernels cannot run: {why}")
         return TritonFixed()
