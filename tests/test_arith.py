@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 from goose.backends import cpukernel, int8, quant
 from goose.backends.forward import HFForward
 from goose.config import DecodeConfig
-from goose.decoding import Decoder, default_forward, model_arith
+from goose.decoding import Decoder, default_forward
 from goose.engine.prefix import BLOCK
 from goose.engine.scheduler import Engine
 from goose.errors import GooseError
+from goose.loading.model import model_arith, record_arith
 from goose.selection.costmodel import CostCurve
 
 needs_int8 = pytest.mark.skipif(int8.kernels() is None or quant.kernels() is None or cpukernel.kernel() is None,
@@ -75,7 +76,7 @@ def test_default_forward_is_shared_per_model_and_arith():
 def test_the_model_records_its_arith_and_decoders_and_engines_follow_it():
     qmodel, _ = _qmodel("Q4_1")
     assert model_arith(qmodel) == "exact"
-    qmodel.goose_arith = "int8"  # what load_model(..., arith="int8") records
+    record_arith(qmodel, "int8")  # what load_model(..., arith="int8") records
     try:
         assert model_arith(qmodel) == "int8"
         dec = Decoder(qmodel, None, "ar")
@@ -84,7 +85,7 @@ def test_the_model_records_its_arith_and_decoders_and_engines_follow_it():
         with Engine(qmodel, None, "ar", thread=False) as eng:
             assert eng.arith == "int8" and eng.forward.arith == "int8"
     finally:
-        del qmodel.goose_arith
+        record_arith(qmodel, "exact")
 
 
 @needs_int8
@@ -202,11 +203,11 @@ def test_a_mismatch_is_reported_with_logits_of_the_models_arith():
     prompt = [5, 9, 17, 33, 60, 61, 62]
     ref = ar_int8(qmodel, prompt, 6)
     got = ref[:3] + [(ref[3] + 1) % 128] + ref[4:]
-    qmodel.goose_arith = "int8"
+    record_arith(qmodel, "int8")
     try:
         info = first_mismatch(qmodel, prompt, ref, got)
     finally:
-        del qmodel.goose_arith
+        record_arith(qmodel, "exact")
     logits = LeanForward(qmodel, arith="int8")(prompt + ref[:3])[-1]
     assert info["position"] == 3 and info["ar_token"] == ref[3] and info["token"] == got[3]
     assert info["ar_logit"] == float(logits[ref[3]]) == float(logits.max()) and info["logit"] == float(logits[got[3]])

@@ -127,7 +127,7 @@ def test_memory_modes_fill_run_order_and_identity(tiny, tmp_path):
             if "@" in m:
                 def reset(seqs, _m=m, _r=engine.reset, _e=engine):
                     _r(seqs)
-                    resets.setdefault(_m, []).append((list(seqs), _e.memory.tokens))
+                    resets.setdefault(_m, []).append((list(seqs), [] if _e.memory is None else _e.memory.tokens))
                 engine.reset = reset
 
     methods = ["goose", "goose@cold", "goose@earlier", "goose@warm"]

@@ -169,8 +169,10 @@ def test_prefill_harvest_reads_only_the_last_prompt_positions(tiny_model, tail, 
     prompt = list(range(2, 32))  # 30 distinct tokens: each row of the table belongs to one position
     cfg = GooseConfig(device_aware=replace(DeviceAwareConfig(), prefill_harvest=tail))
     dec = Decoder(tiny_model, None, "goose", cfg, cost=CostCurve((1, 128), (10.0, 10.5)))
+    forks, fork = [], dec.method.fork
+    dec.method.fork = lambda: forks.append(fork()) or forks[-1]  # the request's own instance (its own table)
     out, _ = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=1, prefill_chunk=chunk))
-    harvested = {t for t in prompt if dec.method.adj.observed[t]}
+    harvested = {t for t in prompt if forks[-1].adj.observed[t]}
     k = len(prompt) if tail is None else min(tail, len(prompt))
     assert harvested == set(prompt[len(prompt) - k:])
     assert out == hf_greedy(tiny_model, prompt, 1)

@@ -460,12 +460,12 @@ def test_packaged_smollm2_int8_every_method_equals_ar_in_int8(monkeypatch):
     of ar in int8, one request at a time (`Decoder`) and batched on an `Engine` with its prefix cache."""
     from goose.decoding import Decoder
     from goose.engine.scheduler import Engine
-    from goose.loading.model import load_model
+    from goose.loading.model import load_model, model_arith
     from goose.selection.costmodel import CostCurve
     from test_quant import REAL_PROMPTS
 
     q, tok = load_model("smollm2-135m", arith="int8")
-    assert q.goose_arith == "int8"
+    assert model_arith(q) == "int8"
     cost = CostCurve((1, 2, 4, 8, 16, 32), (10, 11, 12, 14, 18, 30))  # given: no curve measured here
     ref = Decoder(q, tok, "ar")  # the model's arith
     fwd = ref.forward

@@ -1,4 +1,5 @@
-"""Imports between goose's packages go one way (docs/architecture.md).
+"""Imports between goose's packages go one way (docs/architecture.md); front ends reach the engine's requests and
+goose's protocol objects only through their members.
 
 Every module's imports are read with `ast` (top-level, inside functions, under ``TYPE_CHECKING``, relative or
 absolute) and checked against the layers below: a module may import its own package, its layer's leaves and
@@ -203,6 +204,56 @@ def test_the_allowed_circle_is_still_one():
         others = {pair: why for pair, why in ALLOWED_CIRCLE.items() if pair != (importer, imported)}
         assert set(circles(sources, others)) - set(circles(sources)), \
             f"{importer} -> {imported} closes no circle: remove it from ALLOWED_CIRCLE in tests/test_layering.py"
+
+
+# names under which goose's own protocol objects travel (`goose.protocols`: a forward, its caches and segments,
+# a cost model; `goose.engine.methods.Method`): their optional behaviour is a protocol member with a default, so
+# nothing probes them with getattr / hasattr
+PROTOCOL_NAMES = {"forward", "fwd", "cache", "kv_cache", "segment", "seg", "cost", "curve", "method", "template",
+                  "tpl"}
+
+
+def _name(node) -> str | None:
+    """The last identifier of a name or attribute expression (``self.forward`` -> ``forward``)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def reaches_inside(module: str, source: str) -> list[str]:
+    """Where `module`, a front end, reads a request's engine-side state (`.slot`; the layers below the engine
+    cannot import it, so never hold a request), or any module probes a protocol object with getattr / hasattr,
+    one line each."""
+    found = []
+    front_end = LAYERS.get(part(module)) == LAYERS["decoding"]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "slot" and front_end:
+            found.append(f"{module}:{node.lineno} reads .slot (a request's engine-side state): use the Request's "
+                         f"own members")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
+              and node.args and _name(node.args[0]) in PROTOCOL_NAMES):
+            found.append(f"{module}:{node.lineno} {node.func.id}() on {_name(node.args[0])}: make it a protocol "
+                         f"member with a default (goose.protocols)")
+    return found
+
+
+def test_front_ends_use_requests_and_protocols_through_their_members():
+    found = [line for module, (source, _) in sorted(goose_sources().items()) for line in reaches_inside(module, source)]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("module, source, bad", [
+    ("goose.server.app", "def f(req):\n    return req.slot.stats\n", "goose.server.app:2 reads .slot"),
+    ("goose.engine.measure", "def f(forward):\n    return getattr(forward, 'weight_bytes', None)\n",
+     "goose.engine.measure:2 getattr() on forward"),
+    ("goose.bench.x", "def f(self):\n    return hasattr(self.method, 'memory')\n",
+     "goose.bench.x:2 hasattr() on method"),
+])
+def test_reaching_inside_is_found(module, source, bad):
+    assert any(line.startswith(bad) for line in reaches_inside(module, source))
+    assert reaches_inside("goose.engine.scheduler", "def f(r):\n    return r.slot.out\n") == []
 
 
 def test_every_package_has_a_layer():

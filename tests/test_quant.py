@@ -330,3 +330,23 @@ def test_gguf_reader_reads_what_gguf_writes_and_refuses_truncation(tmp_path, fmt
     (tmp_path / "bad.gguf").write_bytes(b"GGUX" + data[4:])
     with pytest.raises(GooseError, match="magic"):
         gguf_file.read_gguf(tmp_path / "bad.gguf")
+
+
+def test_the_cpp_format_table_is_written_once_and_matches_python():
+    """Both quantized kernel libraries take the formats from gguf_formats.h (none defines its own), and its
+    codes, GGUF block sizes and bytes are quant.FORMATS's (checked against the gguf package's too)."""
+    import re
+
+    folder = cpukernel.SOURCE.parent
+    header = (folder / "gguf_formats.h").read_text()
+    codes = {name: int(code) for name, code in re.findall(r"kQ(\w+) = (\d+)", header)}
+    rows = re.findall(r"\{\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\s*\},\s*//\s*Q(\w+)", header)
+    table = {"Q" + name: (codes[name], int(block), int(nbytes)) for *_, block, nbytes, name in rows}
+    assert table == quant.FORMATS and len(rows) == len(codes) == int(re.search(r"kFormats = (\d+)", header)[1])
+    assert [codes[name] for *_, name in rows] == sorted(codes.values())  # rows in code order
+    assert int(re.search(r"kCols = (\d+)", header)[1]) == quant.PANEL
+    for name, (_, block, nbytes) in quant.FORMATS.items():
+        assert quants.GGML_QUANT_SIZES[GGMLQuantizationType[name]] == (block, nbytes)
+    for source in ("quant_kernels.cpp", "int8_kernels.cpp"):
+        text = (folder / source).read_text()
+        assert '#include "gguf_formats.h"' in text and "enum Fmt" not in text and "kInfo[kFormats] =" not in text

@@ -25,8 +25,12 @@ pytest.importorskip("fastapi")
 from conftest import TINY_EOS, hf_greedy, make_tiny_llama  # noqa: E402
 from goose import Engine, GooseError  # noqa: E402
 from goose.engine import scheduler  # noqa: E402
-from goose.engine.output import MAX_STOP_BYTES  # noqa: E402
-from goose.server.app import ApiError, Serving, TextEmitter  # noqa: E402
+from goose.engine.output import (  # noqa: E402
+    MAX_STOP_BYTES,  # noqa: E402
+    Detokenizer,
+    TokenBlock,
+)
+from goose.server.app import ApiError, Serving  # noqa: E402
 from goose.server.schema import CompletionRequest  # noqa: E402
 from serving import TIMEOUT, live_server, raw  # noqa: E402
 
@@ -295,12 +299,12 @@ def test_the_engine_thread_never_waits_for_the_event_loop(worded):
                 time.sleep(0.01)
             req = await task
             got = []
-            async for tokens, _ in srv.blocks(req, sink):
-                got += tokens
+            async for block in srv.blocks(req, sink):
+                got += block
             return req, got
 
         req, got = asyncio.run(main())
-        assert req.finish_reason in ("stop", "length") and got == req.slot.out
+        assert req.finish_reason in ("stop", "length") and got == req.token_ids
         assert got == greedy_completion(worded, "a b c", 40)
     finally:
         eng.close(timeout=10, cancel=True)
@@ -496,11 +500,11 @@ def test_emitted_text_is_the_decoding_cut_at_the_first_stop(tokenizer, data):
         else:
             stops.append(data.draw(st.text(min_size=1, max_size=4)))
     per_token = data.draw(st.booleans())
-    em = TextEmitter(decode, stops)
+    em = Detokenizer(decode, stops)
     pieces, i = [], 0
     while i < len(ids):
         n = rng.randint(1, 5)
-        pieces += [p for p, _ in em.feed(ids[i: i + n], [0] * len(ids[i: i + n]), per_token)]
+        pieces += [p for p, _ in em.feed(TokenBlock(ids[i: i + n], [0] * len(ids[i: i + n])), per_token)]
         i += n
     pieces.append(em.finish())
     assert "".join(pieces) == em.text == _expected(full, stops)
@@ -519,9 +523,9 @@ def test_text_costs_the_same_per_token_however_long_the_output(tokenizer):
         decoded.append(len(t))
         return tokenizer.decode(t, skip_special_tokens=True)
 
-    em = TextEmitter(decode, ["\x00never", "zzzz-not-there"])
+    em = Detokenizer(decode, ["\x00never", "zzzz-not-there"])
     for t in ids:
-        em.feed([t], [0], per_token=True)
+        em.feed([t], per_token=True)
     streamed = sum(decoded)
     em.finish()
     assert em.text == tokenizer.decode(ids, skip_special_tokens=True)

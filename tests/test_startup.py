@@ -26,6 +26,7 @@ from goose.engine import measure as costmodel
 from goose.loading import gguf as gguf_file
 from goose.loading import gguf_folder
 from goose.loading import model as loading
+from goose.protocols import Forward
 from goose.selection.costmodel import CostCurve
 from tiny_gguf import write_tiny_gguf
 
@@ -147,9 +148,11 @@ class FakeCache:
         pass
 
 
-class FakeForward:
+class FakeForward(Forward):
     """A forward whose n-row call takes `ms(n)` of fake time; `noisy` makes every other call of each size 3x
     slower (passes that disagree, as on a busy machine)."""
+
+    weight_bytes = None  # (a test sets it)
 
     def __init__(self, clock: FakeClock, ms=lambda n: 1.0 + n, noisy: bool = False) -> None:
         self.clock, self.ms, self.noisy, self.calls = clock, ms, noisy, []

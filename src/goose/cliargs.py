@@ -136,7 +136,8 @@ def first_mismatch(model, prompt_ids: list[int], ref: list[int], got: list[int])
     info = {"position": pos, "ar_token": ref[pos] if pos < len(ref) else None,
             "token": got[pos] if pos < len(got) else None}
     if info["ar_token"] is not None and info["token"] is not None:
-        from .engine.requests import default_forward, model_arith
+        from .engine.requests import default_forward
+        from .loading.model import model_arith
 
         with torch.inference_mode():
             if model_arith(model) != "exact":  # Hugging Face's forward computes in float32

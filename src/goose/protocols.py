@@ -57,6 +57,9 @@ class Forward(Protocol):
     single-sequence API on the forward's own cache."""
 
     backend: str  # which kernels run it (part of a cost curve's cache key)
+    # the arithmetic it computes in ("exact": float32 products of the weights' values; "int8": see LeanForward);
+    # an Engine's prefix cache only ever holds one arithmetic's keys and values
+    arith: str = "exact"
     # goose's whole-model kernel plan, when every layer runs on goose's kernels: each cache entry is then
     # computed the same however the sequence was split into calls (what the prefix cache needs)
     plan: object | None = None
@@ -86,6 +89,12 @@ class Forward(Protocol):
         """True when the model's weights changed since this forward copied or packed them. Default: False (a
         forward that reads the model's own weights is never stale)."""
         return False
+
+    @property
+    def weight_bytes(self) -> int | None:
+        """Bytes of weights one forward reads (None: not known; the cost measurement's starvation check then
+        does not apply)."""
+        return None
 
 
 class CostModel(Protocol):

@@ -72,7 +72,7 @@ ABI = 11  # goose_kernels_abi() of this version of the source
 ENV_SWITCH = "GOOSE_CPU_KERNEL"
 ENV_VARIANT = "GOOSE_KERNEL_VARIANT"
 
-_state: dict[str, object] = {}
+_pause: dict[str, object] = {}  # libgomp's omp_pause_resource_all, once looked up (False: none)
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -80,42 +80,9 @@ def _cpu_flags() -> frozenset[str]:
     return cpu_flags()
 
 
-def runnable_variants() -> list[str]:
-    """The kernel variants this CPU can run, best first (see ORDER); ``GOOSE_KERNEL_VARIANT=<name>`` drops
-    the ones above <name>."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
-        return []
-    flags = _cpu_flags()
-    runnable = [v for v in ORDER if VARIANTS[v][1] <= flags]
-    cap = os.environ.get(ENV_VARIANT, "").strip().lower()
-    return runnable[runnable.index(cap):] if cap in runnable else runnable
-
-
 def switched_off() -> bool:
     """True when ``GOOSE_CPU_KERNEL`` switches goose's kernels off."""
     return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off")
-
-
-def build_library(source: Path, variant: str) -> tuple[ctypes.CDLL | None, Path | None, str | None]:
-    """Compile `source` for `variant` once per machine into the kernel cache (see the module doc) and load
-    it: ``(library, path, None)`` or ``(None, None, why not)``."""
-    if variant not in VARIANTS:
-        return None, None, f"unknown variant '{variant}'; variants: {', '.join(ORDER)}"
-    if variant not in runnable_variants():
-        needs = ", ".join(sorted(VARIANTS[variant][1]))
-        return None, None, f"this CPU cannot run the {variant} variant (needs {needs})"
-    if not _gnu_openmp_loaded():
-        return None, None, "torch does not run on GNU OpenMP (libgomp) here"
-    cxx = _compiler()
-    if cxx is None:
-        return None, None, "no C++ compiler found ($CXX, c++, g++)"
-    try:
-        path, failed = built(cxx, BASE_FLAGS + VARIANTS[variant][0], source, variant)
-        if failed:
-            return None, None, failed
-        return ctypes.CDLL(str(path)), path, None
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, None, f"building or loading {source.name} ({variant}) failed: {exc}"
 
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"', re.MULTILINE)
@@ -199,7 +166,7 @@ def release_thread_team() -> bool:
     this on the threads that did torch work for it (its constructor's caller) so that its own thread's team
     is the only one. The caller's next parallel region builds a new team (~0.1 ms). Returns True when
     released; False without GNU OpenMP (nothing to do) or when the runtime lacks the call."""
-    if _state.get("pause") is None:
+    if _pause.get("fn") is None:
         fn = False
         path = _libgomp_path() if "OpenMP" in torch.__config__.parallel_info() else None
         if path is not None:
@@ -208,8 +175,8 @@ def release_thread_team() -> bool:
                 fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
             except (OSError, AttributeError):
                 fn = False
-        _state["pause"] = fn
-    fn = _state["pause"]
+        _pause["fn"] = fn
+    fn = _pause["fn"]
     return bool(fn) and fn(2) == 0  # 2 = omp_pause_hard: the team's threads exit
 
 
@@ -619,50 +586,94 @@ def _check(t, what: str, dims: int, contiguous: bool = False) -> None:
         raise ValueError(f"{what} must be contiguous")
 
 
-def unavailable_reason(variant: str | None = None) -> str | None:
-    """Why `kernel(variant)` cannot be used here (None when it can); builds and loads it on first call."""
-    return _get(variant)[1]
+class KernelLibrary:
+    """One of goose's compiled kernel libraries (this module's, `goose.backends.quant`'s, `goose.backends.int8`'s):
+    its source, the CPU variants it is compiled for (name -> (compiler flags, CPU flags it needs), tried in
+    `order`), its ABI check, and one loaded instance per variant (`wrap(lib, path, variant)`), built on first use.
+    ``GOOSE_CPU_KERNEL=0`` switches every library off; each environment variable of `caps` set to a variant's
+    name drops the variants above it. `ready`: a library function that says whether the variant can run in
+    this process (0: refused, such as AMX tiles Linux did not grant)."""
 
+    def __init__(self, source: Path, prefix: str, abi: int, wrap, variants: dict, order: tuple, flags: list[str],
+                 caps: tuple[str, ...] = (ENV_VARIANT,), ready: str | None = None) -> None:
+        self.source, self.prefix, self.abi, self.wrap = source, prefix, abi, wrap
+        self.variants, self.order, self.flags, self.caps, self.ready = variants, order, flags, caps, ready
+        self.state: dict[str, tuple] = {}  # variant -> (loaded kernels or None, why not)
 
-def kernel(variant: str | None = None) -> CpuKernels | None:
-    """The loaded kernel of `variant` (None: the best this CPU runs, see `runnable_variants`), or None (see
-    `unavailable_reason`)."""
-    return _get(variant)[0]
+    def runnable_variants(self) -> list[str]:
+        """The variants this CPU can run, best first (the environment's caps applied)."""
+        if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
+            return []
+        flags = _cpu_flags()
+        runnable = [v for v in self.order if self.variants[v][1] <= flags]
+        for env in self.caps:
+            cap = os.environ.get(env, "").strip().lower()
+            if cap in runnable:
+                runnable = runnable[runnable.index(cap):]
+        return runnable
 
+    def kernels(self, variant: str | None = None):
+        """The loaded kernels of `variant` (None: the best runnable variant that loads), or None (see
+        `unavailable_reason`)."""
+        return self.get(variant)[0]
 
-def _get(variant: str | None) -> tuple[CpuKernels | None, str | None]:
-    variant = variant or _best()
-    if variant is None:
-        return None, _no_variant_reason()
-    if variant not in _state:
-        _state[variant] = _load(variant)
-    return _state[variant]  # type: ignore[return-value]
+    def unavailable_reason(self, variant: str | None = None) -> str | None:
+        """Why `kernels(variant)` is None here (None when it is available); builds and loads it on first call."""
+        return self.get(variant)[1]
 
+    def get(self, variant: str | None = None) -> tuple:
+        """``(kernels, None)`` or ``(None, why not)`` of `variant`, loaded once; None: the first runnable variant
+        that loads (else the best one's reason)."""
+        if variant is None:
+            runnable = self.runnable_variants()
+            if not runnable:
+                return None, self._no_variant_reason()
+            results = []
+            for v in runnable:
+                results.append(self.get(v))
+                if results[-1][0] is not None:
+                    return results[-1]
+            return results[0]
+        if variant not in self.state:
+            self.state[variant] = self.load(variant)
+        return self.state[variant]
 
-def _best() -> str | None:
-    runnable = runnable_variants()
-    return runnable[0] if runnable else None
+    def load(self, variant: str | None = None) -> tuple:
+        """Build and load `variant` (None: the best runnable), uncached: ``(kernels, None)`` or ``(None, why)``."""
+        if switched_off():
+            return None, f"switched off by {ENV_SWITCH}"
+        variant = variant or next(iter(self.runnable_variants()), None)
+        if variant is None:
+            return None, self._no_variant_reason()
+        if variant not in self.variants:
+            return None, f"unknown variant '{variant}'; variants: {', '.join(self.order)}"
+        if variant not in self.runnable_variants():
+            needs = ", ".join(sorted(self.variants[variant][1]))
+            return None, f"this CPU cannot run the {variant} variant (needs {needs})"
+        if not _gnu_openmp_loaded():
+            return None, "torch does not run on GNU OpenMP (libgomp) here"
+        cxx = _compiler()
+        if cxx is None:
+            return None, "no C++ compiler found ($CXX, c++, g++)"
+        try:
+            path, failed = built(cxx, self.flags + self.variants[variant][0], self.source, variant)
+            if failed:
+                return None, failed
+            lib = ctypes.CDLL(str(path))
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"building or loading {self.source.name} ({variant}) failed: {exc}"
+        if lib[f"{self.prefix}_abi"]() != self.abi:
+            return None, f"{path} is not this version of the kernel"
+        if self.ready is not None and not lib[self.ready]():
+            return None, f"the {variant} variant cannot run here: Linux refused the AMX tile state (arch_prctl)"
+        return self.wrap(lib, path, variant), None
 
-
-def _no_variant_reason() -> str:
-    if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
-        return f"needs x86-64 Linux, not {platform.system()} {platform.machine()}"
-    return f"the CPU lacks {', '.join(sorted(VARIANTS['avx2'][1] - _cpu_flags()))}"
-
-
-def _load(variant: str | None = None) -> tuple[CpuKernels | None, str | None]:
-    """Build and load `variant` (None: the best runnable), uncached."""
-    if switched_off():
-        return None, f"switched off by {ENV_SWITCH}"
-    variant = variant or _best()
-    if variant is None:
-        return None, _no_variant_reason()
-    lib, path, why = build_library(SOURCE, variant)
-    if lib is None:
-        return None, why
-    if lib.goose_kernels_abi() != ABI:
-        return None, f"{path} is not this version of the kernel"
-    return CpuKernels(lib, path, variant), None
+    def _no_variant_reason(self) -> str:
+        if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
+            return f"needs x86-64 Linux, not {platform.system()} {platform.machine()}"
+        least = self.variants[self.order[-1]][1]
+        return (f"needs an x86-64 Linux CPU with {', '.join(sorted(f.upper() for f in least))} (this one lacks "
+                f"{', '.join(sorted(least - _cpu_flags()))})")
 
 
 def _build(cxx: str, flags: list[str], source: Path, path: Path) -> str | None:
@@ -690,6 +701,29 @@ def _build(cxx: str, flags: list[str], source: Path, path: Path) -> str | None:
             tmp.unlink(missing_ok=True)
         cachefs.seal_file(path)
     return None
+
+
+LIBRARY = KernelLibrary(SOURCE, "goose_kernels", ABI, CpuKernels, VARIANTS, ORDER, BASE_FLAGS)
+
+
+def runnable_variants() -> list[str]:
+    """The kernel variants this CPU can run, best first (see ORDER); ``GOOSE_KERNEL_VARIANT=<name>`` drops
+    the ones above <name>."""
+    return LIBRARY.runnable_variants()
+
+
+def kernel(variant: str | None = None) -> CpuKernels | None:
+    """The loaded kernel of `variant` (None: the best this CPU runs, see `runnable_variants`), or None (see
+    `unavailable_reason`)."""
+    return LIBRARY.kernels(variant)
+
+
+def unavailable_reason(variant: str | None = None) -> str | None:
+    """Why `kernel(variant)` cannot be used here (None when it can); builds and loads it on first call."""
+    return LIBRARY.unavailable_reason(variant)
+
+
+_load = LIBRARY.load  # (uncached: tests build on purpose)
 
 
 def attention_reason(head_dim: int, dtype: torch.dtype) -> str | None:

@@ -37,9 +37,6 @@ like goose's other kernels (`goose.backends.cpukernel`); ``GOOSE_CPU_KERNEL=0`` 
 from __future__ import annotations
 
 import ctypes
-import os
-import platform
-import subprocess
 from pathlib import Path
 
 import torch
@@ -66,75 +63,6 @@ VARIANTS = {
 ORDER = ("amx", "vnni512", "avxvnni", "avx2")
 ISA = {"amx": 1024, "vnni512": 512, "avxvnni": 257, "avx2": 256}  # goose_int8_isa() of each variant
 ENV_VARIANT = "GOOSE_INT8_VARIANT"
-
-_state: dict[str, tuple] = {}
-
-
-def runnable_variants() -> list[str]:
-    """The variants this CPU runs, best first; ``GOOSE_INT8_VARIANT=<name>`` drops the ones above <name>,
-    ``GOOSE_KERNEL_VARIANT=avx2`` the ones above avx2."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
-        return []
-    flags = cpukernel._cpu_flags()
-    runnable = [v for v in ORDER if VARIANTS[v][1] <= flags]
-    for env in (ENV_VARIANT, cpukernel.ENV_VARIANT):
-        cap = os.environ.get(env, "").strip().lower()
-        if cap in runnable:
-            runnable = runnable[runnable.index(cap):]
-    return runnable
-
-
-def kernels(variant: str | None = None) -> "Int8Kernels | None":
-    """The loaded kernels of `variant` (None: the best this CPU runs), or None (see `unavailable_reason`)."""
-    return _get(variant)[0]
-
-
-def unavailable_reason(variant: str | None = None) -> str | None:
-    """Why `kernels(variant)` is None here (None when it is available); builds and loads it on first call."""
-    return _get(variant)[1]
-
-
-def _get(variant: str | None) -> tuple:
-    if variant is None:  # the best runnable variant that loads (amx needs Linux to grant the tile state)
-        runnable = runnable_variants()
-        if not runnable:
-            return None, "needs an x86-64 Linux CPU with AVX2, FMA and F16C"
-        results = []
-        for v in runnable:
-            results.append(_get(v))
-            if results[-1][0] is not None:
-                return results[-1]
-        return results[0]
-    if variant not in _state:
-        _state[variant] = _load(variant)
-    return _state[variant]
-
-
-def _load(variant: str) -> tuple:
-    if cpukernel.switched_off():
-        return None, f"switched off by {cpukernel.ENV_SWITCH}"
-    if variant not in VARIANTS:
-        return None, f"unknown variant '{variant}'; variants: {', '.join(ORDER)}"
-    if variant not in runnable_variants():
-        return None, f"this CPU cannot run the {variant} variant (needs {', '.join(sorted(VARIANTS[variant][1]))})"
-    if not cpukernel._gnu_openmp_loaded():
-        return None, "torch does not run on GNU OpenMP (libgomp) here"
-    cxx = cpukernel._compiler()
-    if cxx is None:
-        return None, "no C++ compiler found ($CXX, c++, g++)"
-    try:
-        path, failed = cpukernel.built(cxx, BASE_FLAGS + VARIANTS[variant][0], SOURCE, variant)
-        if failed:
-            return None, failed
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"building or loading {SOURCE.name} ({variant}) failed: {exc}"
-    if lib.goose_int8_abi() != ABI:
-        return None, f"{path} is not this version of the kernel"
-    if not lib.goose_int8_ready():
-        return None, f"the {variant} variant cannot run here: Linux refused the AMX tile state (arch_prctl)"
-    return Int8Kernels(lib, path, variant), None
-
 
 class Int8Kernels:
     """One loaded variant: `linear` any number of rows against a `QuantWeight`, `op` for a layer plan,
@@ -190,3 +118,13 @@ class Int8Kernels:
         `QuantKernels.linear` (`norm`, `gated`, `out` as there; `bias` padded to whole 16-column panels)."""
         self._check_weight(weight, n)
         return run_linear(self._fn, x, weight, n, bias, norm, gated, out)
+
+
+LIBRARY = cpukernel.KernelLibrary(SOURCE, "goose_int8", ABI, Int8Kernels, VARIANTS, ORDER, BASE_FLAGS,
+                                  caps=(ENV_VARIANT, cpukernel.ENV_VARIANT), ready="goose_int8_ready")
+# ``GOOSE_INT8_VARIANT=<name>`` drops the variants above <name>, ``GOOSE_KERNEL_VARIANT=avx2`` the ones above avx2
+runnable_variants = LIBRARY.runnable_variants
+kernels = LIBRARY.kernels  # the best runnable variant that loads (amx needs Linux to grant the tile state)
+unavailable_reason = LIBRARY.unavailable_reason
+_state = LIBRARY.state
+_load = LIBRARY.load  # (uncached)

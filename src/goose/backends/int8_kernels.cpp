@@ -43,27 +43,12 @@
 #include <unistd.h>
 #endif
 
+#include "gguf_formats.h"  // the formats' codes, GGUF blocks and packed layout (kInfo)
 #include "prepare.h"  // `rms_rows`: the RMSNorm before a projection
 
 namespace {
 
-constexpr int kCols = 16;  // output columns per panel
 constexpr int kBlock = 32; // activation block
-
-enum Fmt { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kFormats = 5 };
-
-struct Info {
-  int group;   // weights per group along K
-  int header;  // header bytes per group (16 columns)
-  int quants;  // quant bytes per group (16 columns)
-  int block;   // GGUF block: weights
-};
-constexpr Info kInfo[kFormats] = {
-    {32, 32, 512, 32}, {32, 32, 256, 32}, {32, 64, 256, 32}, {32, 128, 256, 256}, {16, 64, 256, 256},
-};
-constexpr int group_bytes(int f) { return kInfo[f].header + kInfo[f].quants; }
-constexpr bool nibbles(int f) { return f == kQ4_0 || f == kQ4_1 || f == kQ4_K; }
-constexpr bool has_offset(int f) { return f == kQ4_1 || f == kQ4_K; }
 
 // ---- 16 columns of int32 / float32: one zmm, or two ymm ----
 #if defined(__AVX512F__)

@@ -51,45 +51,6 @@ FORMATS = {"Q8_0": (0, 32, 34), "Q4_0": (1, 32, 18), "Q4_1": (2, 32, 20), "Q4_K"
            "Q6_K": (4, 256, 210)}
 _NAMES = {code: name for name, (code, _, _) in FORMATS.items()}
 
-_state: dict[str, tuple] = {}
-
-
-# ---- building and loading -------------------------------------------------------------------------------
-
-def runnable_variants() -> list[str]:
-    """The variants this CPU can run, best first (see `cpukernel.runnable_variants`)."""
-    return cpukernel.runnable_variants()
-
-
-def _load(variant: str) -> tuple["QuantKernels | None", str | None]:
-    if cpukernel.switched_off():
-        return None, f"switched off by {cpukernel.ENV_SWITCH}"
-    lib, path, why = cpukernel.build_library(SOURCE, variant)
-    if lib is None:
-        return None, why
-    if lib.goose_quant_abi() != ABI:
-        return None, f"{path} is not this version of the kernel"
-    return QuantKernels(lib, path, variant), None
-
-
-def _get(variant: str) -> tuple:
-    if variant not in _state:
-        _state[variant] = _load(variant)
-    return _state[variant]
-
-
-def kernels(variant: str | None = None) -> "QuantKernels | None":
-    """The loaded kernels of `variant` (None: the best this CPU runs), or None (see `unavailable_reason`)."""
-    return _get(variant or (runnable_variants() or ["avx2"])[0])[0]
-
-
-def unavailable_reason(variant: str | None = None) -> str | None:
-    """Why `kernels(variant)` is None here (None when it is available); builds and loads it on first call."""
-    if variant is None and not runnable_variants():
-        return "needs an x86-64 Linux CPU with AVX2, FMA and F16C"
-    return _get(variant or runnable_variants()[0])[1]
-
-
 class QuantKernels:
     """One loaded variant: `pack` GGUF rows once, `linear` any number of rows, `rows` of the weight."""
 
@@ -172,6 +133,14 @@ class QuantKernels:
         return run_linear(self._fn, x, packed, n, bias, norm, gated, out)
 
 
+LIBRARY = cpukernel.KernelLibrary(SOURCE, "goose_quant", ABI, QuantKernels, cpukernel.VARIANTS, cpukernel.ORDER,
+                                  cpukernel.BASE_FLAGS)
+runnable_variants = LIBRARY.runnable_variants  # the variants this CPU can run, best first (as cpukernel's)
+kernels = LIBRARY.kernels  # the loaded kernels of a variant (None: the best), or None (see unavailable_reason)
+unavailable_reason = LIBRARY.unavailable_reason  # why kernels(variant) is None here (None when available)
+_load = LIBRARY.load  # (uncached)
+
+
 def run_linear(fn, x: torch.Tensor, weight: "QuantWeight", n: int, bias: torch.Tensor | None,
                norm: tuple[torch.Tensor, float] | None, gated: bool, out: torch.Tensor | None) -> torch.Tensor:
     """Check the arguments of a quantized linear (`QuantKernels.linear`, `Int8Kernels.linear`: one call shape
@@ -217,7 +186,9 @@ class QuantWeight(PackedWeight):
 
 
 def kernels_or_none() -> QuantKernels | None:
-    return kernels() if runnable_variants() else None
+    """The best variant that loads here, or None (`kernels()`, under a name that reads beside a `kernels`
+    argument)."""
+    return kernels()
 
 
 def format_name(code: int) -> str:

@@ -50,30 +50,10 @@
 
 #include <vector>
 
+#include "gguf_formats.h"  // the formats' codes, GGUF blocks and packed layout (kInfo)
 #include "prepare.h"  // `prepare`: RMSNorm or silu(gate) * up before a projection
 
 namespace {
-
-constexpr int kCols = 16;  // output columns per panel
-
-enum Fmt { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4, kFormats = 5 };
-
-struct Info {
-  int group;    // weights per group along K
-  int header;   // header bytes per group (16 columns)
-  int quants;   // quant bytes per group (16 columns)
-  int block;    // GGUF block: weights
-  int bbytes;   // GGUF block: bytes
-};
-constexpr Info kInfo[kFormats] = {
-    {32, 32, 512, 32, 34},    // Q8_0
-    {32, 32, 256, 32, 18},    // Q4_0
-    {32, 64, 256, 32, 20},    // Q4_1
-    {32, 128, 256, 256, 144}, // Q4_K
-    {16, 64, 256, 256, 210},  // Q6_K
-};
-
-constexpr int group_bytes(int f) { return kInfo[f].header + kInfo[f].quants; }
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 
@@ -173,7 +153,6 @@ inline void header(const uint8_t* h, V& s, V& o) {
   }
 }
 
-constexpr bool nibbles(int f) { return f == kQ4_0 || f == kQ4_1 || f == kQ4_K; }
 
 inline void store(float* y, V a, int cols, const float* bias, bool accumulate) {
   if (bias) a = vadd(a, vload(bias));

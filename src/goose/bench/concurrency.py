@@ -73,7 +73,7 @@ def run(model, tok, questions, methods: list[str], max_new: int, concurrency: in
         row["identical"] = sum(o == r for o, r in zip(row.pop("outputs"), refs))
         rows.append(row)
     from ..backends.quant import weights_kind
-    from ..decoding import model_arith
+    from ..loading.model import model_arith
 
     meta = {"cpu": cpu_name(), "concurrency": concurrency, "rate": rate, "max_new_tokens": max_new,
             "requests": len(prompts), "chat": chat, "sampling": options or None,

@@ -49,9 +49,10 @@ class GooseEngine:
 
     def reset(self, sequences: list[list[int]]) -> None:
         """Empty the memory, then store `sequences` (earlier requests' prompt + answer), oldest first."""
-        self.decoder.memory.clear()
+        memories = self.decoder.engine.memories  # the decoder's requests are the anonymous tenant's ("")
+        memories.clear()
         for seq in sequences:
-            self.decoder.memory.insert(seq)
+            memories.insert("", seq)
 
     def generate(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
         out, stats = self.decoder.generate_ids(ids, DecodeConfig(max_new_tokens=max_new_tokens, **self.sampling))

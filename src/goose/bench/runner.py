@@ -20,8 +20,9 @@ from pathlib import Path
 
 from ..cliargs import first_mismatch
 from ..config import DEFAULT_MEMORY_MB
-from ..decoding import eos_ids, model_arith
+from ..decoding import eos_ids
 from ..errors import GooseError
+from ..loading.model import model_arith
 from . import store
 from .datasets import Question
 from .engines import HF_METHODS, make_engine

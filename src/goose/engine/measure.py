@@ -168,7 +168,7 @@ def starved(forward, curve: CostCurve) -> float | None:
     """The GB/s at which the curve's smallest forward read the forward's weights (``forward.weight_bytes``), when
     it took longer than STARVED_MS plus reading them at STARVED_GBPS (its threads were starved: see there); None
     otherwise, or when the forward does not say how many bytes its weights hold."""
-    nbytes = getattr(forward, "weight_bytes", None)
+    nbytes = forward.weight_bytes
     if not nbytes or not curve.ms or curve.ms[0] <= STARVED_MS + nbytes / (STARVED_GBPS * 1e6):
         return None
     return nbytes / (curve.ms[0] * 1e6)

@@ -1,4 +1,8 @@
-"""Stop strings: `Engine.submit(..., stop=["..."])` ends a request once the decoded text of its output holds
+"""A request's output on its way out: committed token blocks with their draft sources (`TokenBlock`), the
+incremental detokenizer every front end streams text with (`Detokenizer`: the CLI, `Decoder.stream`,
+`Request.stream` and the server), and stop strings.
+
+Stop strings: `Engine.submit(..., stop=["..."])` ends a request once the decoded text of its output holds
 one of them (`StopStrings`, built by `stop_check`).
 
 Asked after every generated token, the check decodes only the last tokens of the output, as many as hold
@@ -13,6 +17,9 @@ from __future__ import annotations
 import weakref
 
 from ..errors import GooseError
+from .stats import SOURCES
+
+SOURCE_NAMES = {code: name for name, code in SOURCES.items()}  # anything else is the target's own token: "bonus"
 
 MAX_STOP_BYTES = 256  # UTF-8 bytes of one stop string (the window decoded per token grows with it)
 # Bytes the window holds beyond the longest stop string: its first characters may differ from the whole
@@ -94,3 +101,124 @@ def stop_check(stop, tokenizer):
         return stop
     stops = [stop] if isinstance(stop, str) else list(stop)
     return StopStrings(tokenizer, stops) if stops else None
+
+
+class TokenBlock(list):
+    """The token ids one step committed for a request (a list of them), with `sources`: each token's draft
+    source code (`goose.drafting.tree`: SPINE, BRANCH, MEMORY, HEAD; anything else is the target's own token,
+    the bonus one of each step). What `on_tokens` callbacks and `Request.tokens()` receive."""
+
+    __slots__ = ("sources",)
+
+    def __init__(self, tokens, sources=()) -> None:
+        super().__init__(tokens)
+        self.sources = list(sources)
+
+    def source_name(self, i: int) -> str:
+        """The draft source of token `i` by name ("spine", "branch", "memory", "head" or "bonus")."""
+        return SOURCE_NAMES.get(self.sources[i], "bonus") if i < len(self.sources) else "bonus"
+
+
+class Detokenizer:
+    """Token ids in, text pieces out, at a cost per token that does not grow with the output.
+
+    Only the tokens since the last whole character are decoded, beside the ones before them for context; a
+    piece is held back while the text ends inside a multi-byte character or with the start of a stop string.
+    With `stops`, the text ends before the first of them (OpenAI leaves the stop string out); they are looked
+    for in the new text only (and a stop's length before it). `finish()` decodes the whole output once more,
+    so the pieces concatenate to exactly its decoding (cut at the first stop string).
+    `decode(ids) -> str`: the tokenizer's decoding (``tokenizer.decode(ids, skip_special_tokens=True)``)."""
+
+    def __init__(self, decode, stops: list[str] | None = None) -> None:
+        self.decode, self.stops = decode, list(stops or ())
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.ids: list[int] = []
+        self.shown = ""
+        self.stopped = False  # a stop string was seen: nothing more is shown
+        self._text = ""  # decoded text of ids[:self._read]
+        self._prefix = self._read = 0  # ids[_prefix:_read]: the context decoded again beside new tokens
+        self._searched = 0  # characters of _text searched for stop strings
+
+    @classmethod
+    def of(cls, tokenizer, stops: list[str] | None = None) -> "Detokenizer":
+        return cls(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stops)
+
+    def feed(self, block: list[int], per_token: bool = False) -> list[tuple[str, str]]:
+        """(text, draft source of its last token) pieces for the tokens of `block` (a `TokenBlock`, or a list:
+        then every source is "bonus"); with `per_token`, a piece per token where one shows."""
+        if not isinstance(block, TokenBlock):
+            block = TokenBlock(block)
+        ends = range(1, len(block) + 1) if per_token else [len(block)]
+        pieces, start = [], 0
+        for end in ends:
+            if self.stopped:
+                break
+            self.ids.extend(block[start:end])
+            start = end
+            piece = self._advance()
+            if piece:
+                pieces.append((piece, block.source_name(end - 1)))
+        return pieces
+
+    def finish(self) -> str:
+        """The rest of the text."""
+        if self.stopped:
+            return ""
+        text = self.decode(self.ids)
+        cut = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if cut:
+            text, self.stopped = text[: min(cut)], True
+        if not text.startswith(self.shown):
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+    @property
+    def text(self) -> str:
+        """The text shown so far (all of it after `finish()`)."""
+        return self.shown
+
+    def pieces(self, blocks):
+        """Text pieces for token blocks as they come, then the rest (a generator; `text` holds the whole text
+        once it is exhausted)."""
+        for block in blocks:
+            for piece, _ in self.feed(block):
+                yield piece
+        tail = self.finish()
+        if tail:
+            yield tail
+
+    def _advance(self) -> str:
+        final = False
+        before = self.decode(self.ids[self._prefix:self._read])
+        now = self.decode(self.ids[self._prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
+            self._text += now[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        text = self._text
+        if self.stops:
+            start = max(0, self._searched - self.longest + 1)
+            hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+            self._searched = len(text)
+            if hits:
+                text, final, self.stopped = text[: min(hits)], True, True
+        if not final:
+            text = text[: len(text) - self._holdback(text)]
+        if not text.startswith(self.shown) or len(text) <= len(self.shown):
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+    def _holdback(self, text: str) -> int:
+        """Length of the longest end of `text` that begins a stop string (each stop looks only at the end of
+        `text` shorter than itself, and only where its first character occurs)."""
+        best = 0
+        for s in self.stops:
+            tail = text[len(text) - min(len(s) - 1, len(text)):]
+            i = tail.find(s[0])
+            while i >= 0 and len(tail) - i > best:
+                if s.startswith(tail[i:]):
+                    best = len(tail) - i
+                    break
+                i = tail.find(s[0], i + 1)
+        return best

@@ -13,6 +13,7 @@ from ..backends.lean import ARITHS, LeanForward
 from ..backends.lean import unsupported_reason as lean_unsupported_reason
 from ..config import DecodeConfig
 from ..errors import GooseError
+from ..loading.model import model_arith
 from .stats import Stats
 
 
@@ -37,12 +38,12 @@ def eos_ids(model, tokenizer=None) -> set[int]:
 
 
 def id_set(ids) -> set[int]:
-    """Token ids given as None, one id, a list / tuple, or a tensor, as a set."""
+    """Token ids given as None, one id, a list / tuple / set, or a tensor, as a set."""
     if ids is None:
         return set()
     if isinstance(ids, torch.Tensor):
         ids = ids.flatten().tolist()
-    return {int(i) for i in (ids if isinstance(ids, (list, tuple)) else [ids])}
+    return {int(i) for i in (ids if isinstance(ids, (list, tuple, set, frozenset)) else [ids])}
 
 
 def context_limit(model) -> int | None:
@@ -50,12 +51,6 @@ def context_limit(model) -> int | None:
 
 
 _SHARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {arith: its LeanForward}
-
-
-def model_arith(model) -> str:
-    """The arithmetic `model` was loaded for (``load_model(..., arith=...)`` records it as ``goose_arith``;
-    "exact" for any other model)."""
-    return getattr(model, "goose_arith", "exact")
 
 
 def check_arith(arith: str) -> str:
@@ -88,18 +83,13 @@ def default_forward(model, arith: str | None = None):
     return fwd
 
 
-def forward_arith(forward) -> str:
-    """The arithmetic a forward computes in (a forward without one, such as `HFForward`, is "exact")."""
-    return getattr(forward, "arith", "exact")
-
-
 def pick_forward(model, forward, arith: str | None):
     """(forward, arith) for a Decoder or Engine given `forward` and `arith` (either may be None): a given
     forward must compute in the given arithmetic; without one, `default_forward(model, arith)`."""
     if forward is None:
         fwd = default_forward(model, arith)
-        return fwd, forward_arith(fwd)
-    have = forward_arith(forward)
+        return fwd, fwd.arith
+    have = forward.arith
     if arith is not None and check_arith(arith) != have:
         raise GooseError(f'the forward given computes in arith="{have}", not "{arith}": build it with '
                          f'arith="{arith}" or leave out one of the two')

@@ -26,9 +26,10 @@ from ..config import EngineConfig, GooseConfig
 from ..drafting.memory import MemoryPool
 from ..errors import EngineClosed, EngineFailed, GooseError, QueueFull, RequestCancelled, RequestFailed
 from ..machine import trim_heap
+from ..selection.costmodel import BatchCostCurve
 from .measure import load_or_measure_batch
 from .methods import Method, make_method
-from .output import stop_check
+from .output import Detokenizer, TokenBlock, stop_check
 from .prefix import BLOCK, PrefixCache
 from .requests import (
     GenerationResult,
@@ -39,7 +40,6 @@ from .requests import (
     eos_ids,
     id_set,
     pick_forward,
-    text_pieces,
 )
 from .step import DECODE, PREFILL, Slot, step
 
@@ -51,8 +51,9 @@ TRIM_S = 5.0  # while busy, the step loop hands the C heap's free memory back at
 
 class Request:
     """One submitted request. `result()` waits for its `GenerationResult`; `stream()` yields its text pieces
-    as they are accepted; `tokens()` its token blocks; `cancel()` stops it at the next step boundary.
-    `finish_reason`: "stop" (a stop token or `stop`), "length" (max_new_tokens), "cancelled" or "error"."""
+    as they are accepted; `tokens()` its `TokenBlock`s; `cancel()` stops it at the next step boundary.
+    `finish_reason`: "stop" (a stop token or `stop`), "length" (max_new_tokens), "cancelled" or "error".
+    `stats` and `token_ids` are read safely once it is done (while it runs, the engine's thread writes them)."""
 
     def __init__(self, rid: int, prompt: list[int], slot: Slot, decode, on_tokens, tenant: str = "",
                  private_memory: bool = False, private: bool = False) -> None:
@@ -101,16 +102,25 @@ class Request:
         return self._result
 
     def tokens(self, timeout: float | None = None):
-        """Token blocks as they are committed (the first block is the first token). Stopping the iteration
-        early cancels the request. Raises the request's error at the end, TimeoutError when no block came
-        for `timeout` seconds."""
+        """Token blocks (`TokenBlock`s) as they are committed (the first block is the first token). Stopping the
+        iteration early cancels the request. Raises the request's error at the end, TimeoutError when no block
+        came for `timeout` seconds."""
+
+        def wait():
+            try:
+                return self._blocks.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id}: no tokens for {timeout} s") from None
+
+        return self._until_end(wait)
+
+    def _until_end(self, next_block):
+        """The blocks `next_block()` hands out until the end mark; stopping early cancels the request; the
+        request's error is raised at the end."""
         finished = False
         try:
             while True:
-                try:
-                    block = self._blocks.get(timeout=timeout)
-                except queue.Empty:
-                    raise TimeoutError(f"request {self.id}: no tokens for {timeout} s") from None
+                block = next_block()
                 if block is _END:
                     finished = True
                     break
@@ -122,10 +132,21 @@ class Request:
             raise self.error
 
     def stream(self, timeout: float | None = None):
-        """Text pieces as they are accepted (they concatenate to `result().text`); see `tokens`."""
+        """Text pieces as they are accepted (they concatenate to `result().text`; each token is decoded a
+        bounded number of times, `Detokenizer`); see `tokens`."""
         if self._decode is None:
             raise GooseError("streaming text needs a tokenizer")
-        yield from text_pieces(self.tokens(timeout), self._decode)
+        yield from Detokenizer(self._decode).pieces(self.tokens(timeout))
+
+    @property
+    def stats(self):
+        """The request's `Stats` (tokens, forwards, acceptance per draft source, timings)."""
+        return self.slot.stats
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens generated so far (a copy)."""
+        return list(self.slot.out)
 
     @property
     def ttft_s(self) -> float | None:
@@ -141,7 +162,7 @@ class Request:
         return (self.finished_at - self.first_token_at) / (n - 1)
 
     # ---- engine side ---------------------------------------------------------------------------------
-    def _deliver(self, block: list[int]) -> None:
+    def _deliver(self, block: TokenBlock) -> None:
         self.block_times.append(time.perf_counter())
         if self.first_token_at is None:
             self.first_token_at = self.block_times[0]
@@ -268,18 +289,19 @@ class Engine:
     # ---- public API ----------------------------------------------------------------------------------
     def submit(self, prompt_or_ids: str | list[int], max_new_tokens: int = 128, chat: bool = False, *,
                method: str | None = None, stop=None, eos=None, on_tokens=None, tenant: str = "",
-               private_memory: bool = False, private: bool = False, **options) -> Request:
+               private_memory: bool = False, private: bool = False, chooser=None, **options) -> Request:
         """Queue one request; returns at once. `options` are DecodeConfig fields (do_sample, temperature,
         top_k, top_p, seed, prefill_chunk; sampling without a seed draws one from the OS's entropy, so
         no two runs repeat each other). `stop(tokens) -> bool` is asked after every generated token (or
         `stop` is a string or a list of them: the request ends once its text holds one, `goose.engine.output`);
         `eos`: stop token ids (default: the model's); `on_tokens(block)` is called on the engine's thread
-        with each committed block (an exception there fails this request only). `tenant`: the prefix-cache
-        and suffix-memory scope: a request reuses only prefixes stored, and drafts only from text seen, by
-        requests of the same tenant ("" = the anonymous tenant). `private_memory`: the request neither drafts
-        from the suffix memory nor adds its text to it. `private`: that, and it neither reuses stored prefixes
-        nor stores its own (`goose serve` sets it for requests that name no tenant). Bad input raises
-        GooseError here, before anything is queued."""
+        with each committed `TokenBlock` (an exception there fails this request only). `chooser`: how each
+        token is picked (`goose.engine.sampling.Chooser`; default: from the options, greedy or sampling).
+        `tenant`: the prefix-cache and suffix-memory scope: a request reuses only prefixes stored, and drafts
+        only from text seen, by requests of the same tenant ("" = the anonymous tenant). `private_memory`:
+        the request neither drafts from the suffix memory nor adds its text to it. `private`: that, and it
+        neither reuses stored prefixes nor stores its own (`goose serve` sets it for requests that name no
+        tenant). Bad input raises GooseError here, before anything is queued."""
         cfg = decode_config(dict(options, max_new_tokens=max_new_tokens))
         if cfg.do_sample and cfg.seed is None:
             cfg = dataclasses.replace(cfg, seed=secrets.randbits(63))
@@ -294,7 +316,7 @@ class Engine:
         rid = next(self._ids)
         req_box: list[Request] = []
         slot = Slot(ids, cfg, template.fork(), self.forward.new_cache(), self.eos if eos is None else id_set(eos),
-                    self.limit, stop=None if stop is None else _guarded(stop, req_box))
+                    self.limit, chooser, stop=None if stop is None else _guarded(stop, req_box))
         decode = None if self.tokenizer is None else \
             (lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
         req = Request(rid, ids, slot, decode, on_tokens, str(tenant), bool(private_memory), bool(private))
@@ -379,6 +401,22 @@ class Engine:
             self._fail(exc)
             raise
 
+    def drive(self, req: Request):
+        """With ``thread=False``: `req`'s token blocks, stepping the loop on this thread whenever none is
+        waiting (other requests advance beside it); raises the request's error at the end. Stopping the
+        iteration early cancels the request. How `goose.Decoder` decodes."""
+        self._callers_loop("drive()")
+
+        def step_until_block():
+            while True:
+                try:
+                    return req._blocks.get_nowait()
+                except queue.Empty:
+                    if not self.step() and req._blocks.empty():
+                        raise GooseError(f"request {req.id} is not queued in this engine") from None
+
+        return req._until_end(step_until_block)
+
     def _callers_loop(self, call: str) -> None:
         """`call` (run() or step()) drives the loop from the caller: refused when the engine runs its own thread
         or `run()` already loops."""
@@ -402,8 +440,9 @@ class Engine:
                 tpl = make_method(name, self.vocab, self.config)
                 tpl.prepare(self.model, self.forward, self.tokenizer)
                 self._templates[name] = tpl
-            if tpl.cost is not None and self._cost is None:
-                self._cost = load_or_measure_batch(self.model, self.forward, self.max_batch)
+            if tpl.cost is not None and self._cost is None:  # one request at a time: the method's own curve
+                self._cost = BatchCostCurve.single(tpl.cost) if self.max_batch == 1 else \
+                    load_or_measure_batch(self.model, self.forward, self.max_batch)
             return tpl
 
     def _loop(self) -> None:
@@ -502,7 +541,7 @@ class Engine:
                 if s.error is not None:  # its own stage failed in this step (engine.step's `Slot.fail`)
                     r._finish("error", s.error)
                     continue
-                if s.new and not self._guard(r, None, r._deliver, s.new):
+                if s.new and not self._guard(r, None, r._deliver, TokenBlock(s.new, s.new_sources)):
                     continue
                 if r.error is not None:  # its `stop` raised
                     r._finish("error", r.error)

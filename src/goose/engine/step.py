@@ -16,10 +16,10 @@ one function per stage; what a slot carries from stage to stage within a step is
   7. harvest     `_harvest`: the method learns from the logits of every verified node
   8. commit      `_commit`: accepted tokens + bonus (cut at the first stop token, `stop` and max_new_tokens)
 
-`Decoder` runs it on a batch of one; `Engine` on every running request. Nothing here reads or writes state
-that another slot can change, except what the method shares across requests by design (the adjacency
-table with ``hot_start``, acceptance statistics with ``carry_over``): those only shape drafts, and every
-committed token is the target's own choice, so no output can depend on them.
+`Engine` runs it on every running request (`Decoder` is an Engine of one request at a time). Nothing here reads or
+writes state that another slot can change, except what the method shares across requests by design (the adjacency
+table with ``hot_start``, acceptance statistics with ``carry_over``): those only shape drafts, and every committed
+token is the target's own choice, so no output can depend on them.
 """
 
 from __future__ import annotations

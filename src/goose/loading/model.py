@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -216,8 +217,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                arith: str = "exact"):
     """Returns ``(model, tokenizer)`` ready for goose, in eval mode.
 
-    `arith`: the arithmetic goose's forwards compute in for this model, recorded on it as ``goose_arith``
-    (`Decoder`, `Engine` and `goose serve` use it unless told otherwise). "exact" (default): float32 products
+    `arith`: the arithmetic goose's forwards compute in for this model, recorded for it (`model_arith`;
+    `Decoder`, `Engine` and `goose serve` use it unless told otherwise). "exact" (default): float32 products
     of the weights' values, bit-identical to Hugging Face's float32 model. "int8": each row's activations are
     quantized to 8 bits in blocks of 32 and multiplied with the GGUF blocks in integers (`goose.backends.int8`);
     it needs GGUF blocks (`weights` "gguf") on a model goose's Llama-family forward runs, and is refused
@@ -258,8 +259,21 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
         why = _int8_unready(net)
         if why is not None:
             raise GooseError(why)
-    net.goose_arith = arith  # read by goose.engine.requests.default_forward
+    record_arith(net, arith)
     return net, tok
+
+
+_ARITH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> the arith it was loaded for
+
+
+def record_arith(model, arith: str) -> None:
+    """Record `arith` as the arithmetic goose's forwards use for `model` unless told otherwise."""
+    _ARITH[model] = arith
+
+
+def model_arith(model) -> str:
+    """The arithmetic `model` was loaded for (`load_model(..., arith=...)`); "exact" for any other model."""
+    return _ARITH.get(model, "exact")
 
 
 def _load(model: str, dt: torch.dtype, dev: torch.device, attn_implementation: str, weights: str | None,

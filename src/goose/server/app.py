@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import secrets
-import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -41,9 +40,8 @@ from starlette.exceptions import HTTPException
 from ..config import DEFAULT_STALL_S as STALL_S
 from ..config import EngineConfig
 from ..decoding import encode_chat
-from ..drafting.tree import BRANCH, SPINE
 from ..engine.methods import METHODS
-from ..engine.output import MAX_STOP_BYTES
+from ..engine.output import MAX_STOP_BYTES, Detokenizer
 from ..errors import EngineClosed, GooseError, QueueFull
 from ..machine import glibc
 from .keys import ApiKeys, Key
@@ -53,7 +51,6 @@ from .schema import ChatCompletionRequest, CompletionRequest
 log = logging.getLogger("goose.server")
 
 STATIC = Path(__file__).parent / "static"
-SOURCE_NAMES = {SPINE: "spine", BRANCH: "branch"}  # anything else is the target's own token: "bonus"
 POLL_S = 0.05  # how often a waiting handler checks for a finished request or a gone client
 WATCH_S = 0.1  # how often the server checks whether its engine failed or is idle
 SERVE_ENGINE = EngineConfig(max_queue=64)  # goose serve's engine settings unless told otherwise
@@ -205,90 +202,6 @@ def validation_error(errors: list[dict]) -> ApiError:
         msg = "unknown field (not supported)" if e.get("type") == "extra_forbidden" else e.get("msg", "invalid")
         parts.append(f"{'.'.join(loc) or 'body'}: {msg}")
     return ApiError(400, "invalid request: " + "; ".join(parts[:5]), param=param)
-
-
-class TextEmitter:
-    """Token ids in, text pieces out. The text is decoded incrementally (only the tokens since the last whole
-    character, beside the one before them for context), so a token costs the same however long the output is;
-    a piece is held back while the text ends inside a multi-byte character or with the start of a stop
-    string; the text ends before the first stop string (OpenAI leaves the stop string out). Stop strings are
-    searched for in the new text only (and the stop's length before it)."""
-
-    def __init__(self, decode, stops: list[str]) -> None:
-        self.decode, self.stops = decode, stops
-        self.longest = max((len(s) for s in stops), default=0)
-        self.ids: list[int] = []
-        self.shown = ""
-        self.stopped = False  # a stop string was seen: nothing more is shown
-        self._text = ""  # decoded text of ids[:self._read]
-        self._prefix = self._read = 0  # ids[_prefix:_read]: the context decoded again beside new tokens
-        self._searched = 0  # characters of _text searched for stop strings
-
-    def feed(self, tokens: list[int], sources: list[int], per_token: bool) -> list[tuple[str, str]]:
-        """(text, source of its last token) pieces for the new tokens; with `per_token`, one try per token."""
-        groups = [([t], [s]) for t, s in zip(tokens, sources)] if per_token else [(tokens, sources)]
-        pieces = []
-        for toks, srcs in groups:
-            if self.stopped:
-                break
-            self.ids.extend(toks)
-            piece = self._advance()
-            if piece:
-                pieces.append((piece, SOURCE_NAMES.get(srcs[-1], "bonus") if srcs else "bonus"))
-        return pieces
-
-    def finish(self) -> str:
-        """The rest of the text. The whole output is decoded once more here, so the text is exactly its
-        decoding (cut at the first stop string)."""
-        if self.stopped:
-            return ""
-        text = self.decode(self.ids)
-        cut = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if cut:
-            text, self.stopped = text[: min(cut)], True
-        if not text.startswith(self.shown):
-            return ""
-        piece, self.shown = text[len(self.shown):], text
-        return piece
-
-    @property
-    def text(self) -> str:
-        return self.shown
-
-    def _advance(self) -> str:
-        final = False
-        before = self.decode(self.ids[self._prefix:self._read])
-        now = self.decode(self.ids[self._prefix:])
-        if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
-            self._text += now[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
-        text = self._text
-        if self.stops:
-            start = max(0, self._searched - self.longest + 1)
-            hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-            self._searched = len(text)
-            if hits:
-                text, final, self.stopped = text[: min(hits)], True, True
-        if not final:
-            text = text[: len(text) - self._holdback(text)]
-        if not text.startswith(self.shown) or len(text) <= len(self.shown):
-            return ""
-        piece, self.shown = text[len(self.shown):], text
-        return piece
-
-    def _holdback(self, text: str) -> int:
-        """Length of the longest end of `text` that begins a stop string (each stop looks only at the end of
-        `text` shorter than itself, and only where its first character occurs)."""
-        best = 0
-        for s in self.stops:
-            tail = text[len(text) - min(len(s) - 1, len(text)):]
-            i = tail.find(s[0])
-            while i >= 0 and len(tail) - i > best:
-                if s.startswith(tail[i:]):
-                    best = len(tail) - i
-                    break
-                i = tail.find(s[0], i + 1)
-        return best
 
 
 class _EngineView:
@@ -520,7 +433,7 @@ class Serving:
         return ids, max_new
 
     async def submit(self, http: Request, body, ids: list[int], max_new: int, sink: asyncio.Queue):
-        """An engine request whose committed blocks (tokens, their sources) arrive in the asyncio queue `sink`
+        """An engine request whose committed `TokenBlock`s arrive in the asyncio queue `sink`
         (handed over with `call_soon_threadsafe`: the engine's thread never waits for the event loop)."""
         loop = asyncio.get_running_loop()
         try:
@@ -528,24 +441,15 @@ class Serving:
             options = body.engine_options()
         except GooseError as exc:
             raise ApiError(400, str(exc), param="speculative") from None
-        box: list = []  # the request's slot (not the request: no reference cycle keeps its KV cache alive)
-        ready = threading.Event()
-
-        def on_tokens(block):  # engine thread: the slot's sources belong to this very block
-            if not box:  # submit returned a moment ago on a worker thread, which fills `box` next
-                ready.wait(5)
-            sources = list(box[0].new_sources) if box else []
-            loop.call_soon_threadsafe(sink.put_nowait, (list(block), sources))
+        def on_tokens(block):  # engine thread: a TokenBlock, handed over without waiting for the event loop
+            loop.call_soon_threadsafe(sink.put_nowait, block)
 
         tenant = tenant_of(self.key_of(http), body.user, getattr(body, "cache_salt", None))
         engine = self.engine
 
-        def queue_it():  # on a worker thread, so `box` is filled without the event loop
-            req = engine.submit(ids, max_new, False, method=method, on_tokens=on_tokens, tenant=tenant or "",
-                                private=tenant is None, stop=body.stop or None, **options)
-            box.append(req.slot)
-            ready.set()
-            return req
+        def queue_it():  # on a worker thread: submitting may prepare a method (seconds) off the event loop
+            return engine.submit(ids, max_new, False, method=method, on_tokens=on_tokens, tenant=tenant or "",
+                                 private=tenant is None, stop=body.stop or None, **options)
 
         try:
             return await asyncio.to_thread(queue_it)
@@ -566,7 +470,7 @@ class Serving:
             raise ApiError(400, f"invalid request: {type(exc).__name__}: {exc}") from None
 
     async def blocks(self, req, sink: asyncio.Queue):
-        """The request's (tokens, sources) blocks as they come, until it is over."""
+        """The request's `TokenBlock`s as they come, until it is over."""
         while True:
             try:
                 yield await asyncio.wait_for(sink.get(), POLL_S)
@@ -582,19 +486,19 @@ class Serving:
     def goose_info(self, req) -> dict:
         """A response's `goose` object; without the draft sources' counts (`accepted`, `drafted`) when the
         server hides them."""
-        st = req.slot.stats
+        st = req.stats
         info = {"method": req.method,
                 "tau": round(st.tau, 4), "forward_calls": st.forward_calls,
                 "accepted": dict(st.accepted), "drafted": dict(st.drafted),
                 "ttft_s": req.ttft_s, "tpot_s": req.tpot_s, "tokens_per_s": round(st.tokens_per_s, 3),
-                "completion_token_ids": list(req.slot.out)}
+                "completion_token_ids": req.token_ids}
         if self.hide_sources:
             del info["accepted"], info["drafted"]
         return info
 
     @staticmethod
     def usage(req) -> dict:
-        st = req.slot.stats
+        st = req.stats
         return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.new_tokens,
                 "total_tokens": st.prompt_tokens + st.new_tokens,
                 "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
@@ -620,7 +524,7 @@ class Serving:
             return StreamingResponse(self.stream(http, body, chat, req, sink, rid, now),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        emitter = TextEmitter(self.decode, body.stop)
+        emitter = Detokenizer(self.decode, body.stop)
         try:
             while not req.wait(0):
                 if await http.is_disconnected():
@@ -637,7 +541,7 @@ class Serving:
         metrics.observe(endpoint, req)
         if req.finish_reason not in ("stop", "length"):
             raise self.failure(req)
-        emitter.feed(list(req.slot.out), [], per_token=False)
+        emitter.feed(req.token_ids)
         emitter.finish()
         reason = "stop" if emitter.stopped else req.finish_reason
         if chat:
@@ -653,7 +557,7 @@ class Serving:
         endpoint = "chat" if chat else "completions"
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        emitter = TextEmitter(self.decode, body.stop)
+        emitter = Detokenizer(self.decode, body.stop)
         want_sources = bool(body.sources) and not self.hide_sources
         model_name = self.model_name
 
@@ -674,16 +578,16 @@ class Serving:
         finished = False
         role_sent = not chat  # chat's role chunk goes with the first tokens, as vLLM's: clients time TTFT by it
         try:
-            async for tokens, sources in self.blocks(req, sink):
+            async for block in self.blocks(req, sink):
                 if not role_sent:
                     role_sent = True
                     yield chunk(None, role=True)
-                pieces = emitter.feed(tokens, sources, per_token=want_sources)
+                pieces = emitter.feed(block, per_token=want_sources)
                 if not pieces:
                     continue
                 extra = None
                 if want_sources:
-                    st = req.slot.stats
+                    st = req.stats
                     extra = {"goose": {"pieces": [[t, s] for t, s in pieces], "tokens": len(emitter.ids),
                                        "forward_calls": st.forward_calls}}
                 yield chunk("".join(t for t, _ in pieces), extra=extra)
@@ -700,7 +604,7 @@ class Serving:
             if tail:
                 extra = None
                 if want_sources:
-                    st = req.slot.stats
+                    st = req.stats
                     extra = {"goose": {"pieces": [[tail, "bonus"]], "tokens": len(emitter.ids),
                                        "forward_calls": st.forward_calls}}
                 yield chunk(tail, extra=extra)

@@ -128,7 +128,7 @@ class Metrics:
         """Count a finished engine request (`goose.Request`)."""
         outcome = req.finish_reason or "unknown"
         self.requests.labels(endpoint, outcome).inc()
-        st = req.slot.stats
+        st = req.stats
         self.prompt_tokens.inc(st.prompt_tokens)
         self.cached_tokens.inc(st.cached_tokens)
         self.generation_tokens.inc(st.new_tokens)
@@ -138,24 +138,18 @@ class Metrics:
             self.drafted.labels(src).inc(st.drafted.get(src, 0))
         if st.forward_calls:
             self.tau.observe(st.tau)
-        if req.ttft_s is not None:
-            self.ttft.observe(req.ttft_s)
-        if req.tpot_s is not None:
-            self.tpot.observe(req.tpot_s)
-        if req.finished_at is not None:
-            self.e2e.observe(req.finished_at - req.submitted)
+        e2e = None if req.finished_at is None else req.finished_at - req.submitted
+        for value, series in ((req.ttft_s, (self.ttft, self.v_ttft)), (req.tpot_s, (self.tpot, self.v_tpot)),
+                              (e2e, (self.e2e, self.v_e2e))):  # goose's and vLLM's series of each latency
+            if value is not None:
+                for hist in series:
+                    hist.observe(value)
         # vLLM's series
         self.v_prompt.inc(st.prompt_tokens)
         self.v_cached.inc(st.cached_tokens)
         self.v_generation.inc(st.new_tokens)
         self.v_success["stop" if outcome == "stop" else "length" if outcome == "length" else "abort"].inc()
-        if req.ttft_s is not None:
-            self.v_ttft.observe(req.ttft_s)
-        if req.tpot_s is not None:
-            self.v_tpot.observe(req.tpot_s)
-        if req.finished_at is not None:
-            self.v_e2e.observe(req.finished_at - req.submitted)
-        times = getattr(req, "block_times", ())  # one entry per committed block of tokens
+        times = req.block_times  # one entry per committed block of tokens
         for a, b in zip(times, times[1:]):
             self.v_itl.observe(b - a)
             self.v_itl_old.observe(b - a)
