@@ -434,11 +434,15 @@ class GPUForward(Forward):
 
     @torch.inference_mode()
     def run(self, segments: list[Segment]) -> list[torch.Tensor]:
-        """Each segment's logits (``[n or keep_last, vocab]``), one sequence after another (a graph per call)."""
+        """Each segment's logits (``[n or keep_last, vocab]``), one sequence after another (a graph per call); returns
+        when the device has computed them (so `goose.engine.measure` times whole forwards)."""
         if len({id(s.cache) for s in segments}) != len(segments):
             raise GooseError("a forward cannot append to one cache twice")
         with self._numerics():
-            return [self._one(s) for s in segments]
+            out = [self._one(s) for s in segments]
+        if self.device.type == "cuda":  # the caller reads the logits next; a cost measurement times the whole call
+            torch.cuda.synchronize(self.device)
+        return out
 
     def _one(self, s: Segment) -> torch.Tensor:
         c = s.cache
