@@ -122,3 +122,29 @@ def test_protocol_defaults_are_inherited(model32):
     with pytest.raises(NotImplementedError):
         ar.candidates(1, 0)
     assert make_method("goose", TINY_VOCAB, None).offers_candidates
+
+
+def test_offered_methods_are_prepared_at_start_and_others_refused(model32):
+    """`EngineConfig.methods`: every offered method is prepared when the engine starts (no request waits for a
+    preparation or a cost measurement), "ar" is always offered, another method is refused before anything is
+    queued, and ``speculative=False`` decodes plainly whatever `method` says; tokens equal greedy decoding."""
+    from goose.errors import MethodNotAllowed
+
+    settings = EngineConfig(max_batch=2, methods=("pld", "pld"))
+    assert settings.methods == ("ar", "pld")
+    with Engine(model32, None, "goose", engine_config=settings, thread=False) as eng:
+        assert set(eng._templates) == {"goose", "ar", "pld"}  # prepared by the constructor
+        with pytest.raises(MethodNotAllowed, match="'tr' is not offered here; choose one of: goose, ar, pld"):
+            eng.submit([5, 6, 7], 4, method="tr")
+        assert eng.load() == (0, 0)
+        prompt = [5, 9, 17, 33, 60, 5, 9, 17]
+        reqs = {name: eng.submit(prompt, 12, method=name, speculative=spec)
+                for name, spec in (("goose", True), ("pld", True), ("tr", False))}
+        for r in reqs.values():
+            list(eng.drive(r))
+        assert {name: r.method for name, r in reqs.items()} == {"goose": "goose", "pld": "pld", "tr": "ar"}
+        assert all(r.token_ids == greedy_memo(model32, prompt, 12) for r in reqs.values())
+    with pytest.raises(GooseError, match="unknown method"):
+        EngineConfig(methods=("warp",))
+    with pytest.raises(GooseError, match="tuple of method names"):
+        EngineConfig(methods="pld")

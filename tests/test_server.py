@@ -446,3 +446,32 @@ def test_malloc_is_tuned_unless_the_environment_says(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         assert tune_malloc() is True
+
+
+def test_speculation_switch_per_request_among_the_offered_methods(worded):
+    """``speculative``: false / "off" decode plainly, true the server's method, a method the server offers
+    itself; any other method is a 400 naming it. /v1/models lists what is offered and the arithmetic's
+    guarantee. Every answer is the same greedy text."""
+    from goose.config import EngineConfig
+
+    _, tok = worded
+    eng = Engine(*worded, "goose", engine_config=EngineConfig(max_batch=2, methods=("pld",)))
+    try:
+        with live_server(eng) as base:
+            status, _, body = raw(base, "GET", "/v1/models")
+            info = json.loads(body)["data"][0]["goose"]
+            assert status == 200 and info["methods"] == ["goose", "ar", "pld"] and info["default_method"] == "goose"
+            assert info["arith"] == "exact" and "Hugging Face" in info["guarantee"]
+            want = greedy_text(worded, chat_ids(tok, PROMPTS[0]), 16)[0]
+            for spec, method in ((False, "ar"), ("off", "ar"), (True, "goose"), ("pld", "pld")):
+                status, _, body = raw(base, "POST", "/v1/chat/completions", {
+                    "model": "tiny", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 16,
+                    "temperature": 0, "speculative": spec})
+                g = json.loads(body)["goose"]
+                assert status == 200 and g["method"] == method and g["completion_token_ids"] == want
+            status, _, body = raw(base, "POST", "/v1/chat/completions", {
+                "model": "tiny", "messages": [{"role": "user", "content": "x"}], "speculative": "tr"})
+            err = json.loads(body)["error"]
+            assert status == 400 and "'tr' is not offered" in err["message"] and err["param"] == "speculative"
+    finally:
+        eng.close(timeout=10, cancel=True)

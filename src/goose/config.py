@@ -385,8 +385,21 @@ class EngineConfig:
     # out of Python's later cyclic collections (gc.freeze): a full collection otherwise walks them all (~360k
     # objects with torch, transformers and SmolLM2 loaded: ~200 ms, a stall of every request in flight)
     freeze_gc: bool = True
+    # the methods requests may name (``submit(method=...)``; "ar", no speculation, always): each prepared when
+    # the engine starts, so no request waits for a method's preparation or cost curve. None: any method,
+    # each prepared when a request first names it
+    methods: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.methods is not None:
+            from .names import METHODS
+
+            if isinstance(self.methods, str) or not all(isinstance(m, str) for m in self.methods):
+                raise GooseError(f"methods must be a tuple of method names, got {self.methods!r}")
+            unknown = [m for m in self.methods if m not in METHODS]
+            if unknown:
+                raise GooseError(f"unknown method(s) {', '.join(unknown)}; choose among: {', '.join(METHODS)}")
+            object.__setattr__(self, "methods", tuple(dict.fromkeys(("ar", *self.methods))))
         if not _is_int(self.max_batch) or self.max_batch < 1:
             raise GooseError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_queue is not None and (not _is_int(self.max_queue) or self.max_queue < 0):

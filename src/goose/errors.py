@@ -22,6 +22,10 @@ class QueueFull(GooseError):
     """The engine's queue holds `max_queue` waiting requests: try again later."""
 
 
+class MethodNotAllowed(GooseError):
+    """A request named a method its engine does not offer (`EngineConfig.methods`)."""
+
+
 class EngineClosed(GooseError):
     """The engine was closed and takes no more requests."""
 

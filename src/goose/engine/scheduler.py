@@ -24,7 +24,15 @@ from collections import deque
 from ..backends.cpukernel import release_thread_team
 from ..config import EngineConfig, GooseConfig
 from ..drafting.memory import MemoryPool
-from ..errors import EngineClosed, EngineFailed, GooseError, QueueFull, RequestCancelled, RequestFailed
+from ..errors import (
+    EngineClosed,
+    EngineFailed,
+    GooseError,
+    MethodNotAllowed,
+    QueueFull,
+    RequestCancelled,
+    RequestFailed,
+)
 from ..machine import trim_heap
 from ..selection.costmodel import BatchCostCurve
 from .measure import load_or_measure_batch
@@ -263,10 +271,14 @@ class Engine:
         self._tpl_lock = threading.Lock()  # preparing a method (maybe measuring a cost curve) takes seconds
         self._cost = None
         self.method = method if isinstance(method, Method) else None
-        self.default_method = self._template(method).name if self.method is None else method.name
-        if self.method is not None:
+        self.default_method = method if self.method is None else method.name
+        if self.method is None:
+            self._template(method)
+        else:
             self.method.prepare(model, self.forward, tokenizer)
             self._templates[self.default_method] = self.method
+        for name in settings.methods or ():  # the methods requests may name, prepared now (never mid-serving)
+            self._template(name)
         self._cond = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -289,7 +301,8 @@ class Engine:
     # ---- public API ----------------------------------------------------------------------------------
     def submit(self, prompt_or_ids: str | list[int], max_new_tokens: int = 128, chat: bool = False, *,
                method: str | None = None, stop=None, eos=None, on_tokens=None, tenant: str = "",
-               private_memory: bool = False, private: bool = False, chooser=None, **options) -> Request:
+               private_memory: bool = False, private: bool = False, chooser=None, speculative: bool = True,
+               **options) -> Request:
         """Queue one request; returns at once. `options` are DecodeConfig fields (do_sample, temperature,
         top_k, top_p, seed, prefill_chunk; sampling without a seed draws one from the OS's entropy, so
         no two runs repeat each other). `stop(tokens) -> bool` is asked after every generated token (or
@@ -301,7 +314,9 @@ class Engine:
         only from text seen, by requests of the same tenant ("" = the anonymous tenant). `private_memory`:
         the request neither drafts from the suffix memory nor adds its text to it. `private`: that, and it
         neither reuses stored prefixes nor stores its own (`goose serve` sets it for requests that name no
-        tenant). Bad input raises GooseError here, before anything is queued."""
+        tenant). `speculative`: False decodes this request plainly (the method "ar": no drafts, whatever
+        `method` says). `method` must be one of `EngineConfig.methods` when the engine was given them
+        (`MethodNotAllowed` otherwise). Bad input raises GooseError here, before anything is queued."""
         cfg = decode_config(dict(options, max_new_tokens=max_new_tokens))
         if cfg.do_sample and cfg.seed is None:
             cfg = dataclasses.replace(cfg, seed=secrets.randbits(63))
@@ -312,7 +327,7 @@ class Engine:
             if any(not 0 <= t < self.vocab for t in ids):
                 raise GooseError(f"token ids must be in 0..{self.vocab - 1}")
         stop = stop_check(stop, self.tokenizer)
-        template = self._template(method or self.default_method)
+        template = self._template("ar" if not speculative else method or self.default_method)
         rid = next(self._ids)
         req_box: list[Request] = []
         slot = Slot(ids, cfg, template.fork(), self.forward.new_cache(), self.eos if eos is None else id_set(eos),
@@ -434,6 +449,10 @@ class Engine:
     # ---- internals -----------------------------------------------------------------------------------
     def _template(self, name: str) -> Method:
         """The prepared method `name` whose forks serve requests (prepared once; cost curves measured once)."""
+        allowed = self.settings.methods
+        if allowed is not None and name not in allowed and name != self.default_method:
+            raise MethodNotAllowed(f"method '{name}' is not offered here; choose one of: "
+                                   f"{', '.join(dict.fromkeys((self.default_method, *allowed)))}")
         with self._tpl_lock:
             tpl = self._templates.get(name)
             if tpl is None:

@@ -42,7 +42,7 @@ from ..config import EngineConfig
 from ..decoding import encode_chat
 from ..engine.methods import METHODS
 from ..engine.output import MAX_STOP_BYTES, Detokenizer
-from ..errors import EngineClosed, GooseError, QueueFull
+from ..errors import EngineClosed, GooseError, MethodNotAllowed, QueueFull
 from ..machine import glibc
 from .keys import ApiKeys, Key
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -54,6 +54,11 @@ STATIC = Path(__file__).parent / "static"
 POLL_S = 0.05  # how often a waiting handler checks for a finished request or a gone client
 WATCH_S = 0.1  # how often the server checks whether its engine failed or is idle
 SERVE_ENGINE = EngineConfig(max_queue=64)  # goose serve's engine settings unless told otherwise
+# what each arithmetic guarantees (shown by /v1/models; docs/usage.md "Two arithmetics")
+ARITH_GUARANTEES = {
+    "exact": "every method's tokens equal plain greedy decoding in float32, and Hugging Face's float32 generate",
+    "int8": "every method's tokens equal plain greedy decoding by goose in int8 (not float32's tokens)",
+}
 MAX_STOPS = 4  # stop sequences per request (as OpenAI; each of at most MAX_STOP_BYTES bytes of UTF-8)
 MAX_JSON_DEPTH = 32  # nesting levels of a request body
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # Host names a loopback server answers by default
@@ -375,8 +380,13 @@ class Serving:
         return JSONResponse(body)
 
     def models(self) -> dict:
+        engine = self.engine
+        offered = engine.settings.methods or METHODS
+        info = {"default_method": engine.default_method,
+                "methods": list(dict.fromkeys((engine.default_method, *offered))),
+                "arith": engine.arith, "guarantee": ARITH_GUARANTEES.get(engine.arith, "")}
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
-                                            "owned_by": "goose", "max_model_len": self.engine.limit}]}
+                                            "owned_by": "goose", "max_model_len": engine.limit, "goose": info}]}
 
     # ---- completions -----------------------------------------------------------------------------------
     async def parse(self, http: Request, cls):
@@ -453,6 +463,8 @@ class Serving:
 
         try:
             return await asyncio.to_thread(queue_it)
+        except MethodNotAllowed as exc:
+            raise ApiError(400, str(exc), param="speculative") from None
         except QueueFull as exc:
             raise ApiError(429, f"the server is busy: {exc}; retry later", "rate_limit_error",
                            "queue_full", headers={"Retry-After": "1"}) from None

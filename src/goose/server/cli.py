@@ -44,6 +44,17 @@ def _memory_mb(text: str) -> float:
         raise argparse.ArgumentTypeError(str(exc) if "memory_mb" in str(exc) else f"expected a number, got '{text}'")
 
 
+SERVE_METHODS = ("pld", "goose-nohead")  # `goose serve --methods` unless given (beside --method and "ar")
+
+
+def _method_list(text: str) -> tuple[str, ...]:
+    """``--methods``: comma-separated method names."""
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("expected one or more method names, comma-separated")
+    return tuple(method_name(m) for m in names)
+
+
 def _seconds(text: str) -> float:
     """A number of seconds > 0 (finite)."""
     try:
@@ -78,8 +89,9 @@ def cmd_serve(args) -> int:
         print(f"goose: warning: serving on {args.host} without an API key: anyone who reaches it can use it",
               file=sys.stderr)
     hosts = None if args.allowed_hosts is None else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
+    offered = (args.method, *args.methods) if args.methods is not None else (args.method, *SERVE_METHODS)
     engine = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, prefix_cache_mb=args.prefix_cache_mb,
-                          memory_mb=args.memory_mb, max_tenants=args.max_tenants)
+                          memory_mb=args.memory_mb, max_tenants=args.max_tenants, methods=offered)
     return serve(args.model, args.method, args.host, args.port, engine, api_key, args.dtype, args.device,
                  served_name=args.served_model_name, drain_timeout=args.drain_timeout,
                  max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
@@ -99,6 +111,10 @@ def register(sub) -> None:
     add_model_args(s)
     s.add_argument("--method", type=method_name, default="goose",
                    help="default method of every request (a request's 'speculative' field overrides it)")
+    s.add_argument("--methods", type=_method_list, default=None,
+                   help="methods a request may name in its 'speculative' field, comma-separated, each prepared at "
+                        "start-up (with --method; 'ar', plain decoding, always); another is refused with 400 "
+                        f"(default: {','.join(SERVE_METHODS)})")
     add_head_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=_port, default=8000, help="default 8000")

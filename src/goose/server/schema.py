@@ -4,10 +4,12 @@ Unknown fields are refused (400), and so are known OpenAI fields that goose does
 carry their neutral value (``n: 1``, ``presence_penalty: 0``, ``logprobs: false``, ...), so a client never
 gets silently different behaviour from what it asked for. goose's own request fields:
 
-- ``speculative``: a method name of `goose.METHODS`, or ``"off"`` (plain decoding, the method ``ar``);
-  default: the server's ``--method``.
+- ``speculative``: ``false`` or ``"off"`` (plain decoding, the method ``ar``), ``true`` (the server's
+  ``--method``, also the default), or a method name among those the server offers (``--methods``; another is
+  refused with 400 naming it).
 - ``sources``: stream each chunk with a ``goose`` object holding the text pieces and the draft source of
-  their tokens (``spine``, ``branch`` or ``bonus``), tokens so far and forward calls (the playground uses it).
+  their tokens (``spine``, ``branch``, ``memory``, ``head`` or ``bonus``), tokens so far and forward calls
+  (the playground uses it).
 - ``top_k``: as in vLLM.
 - ``cache_salt``: as in vLLM: requests share stored prompt prefixes (and the suffix memory) only with
   requests of the same salt, key scope and ``user``; a scope, not authentication (docs/serving.md,
@@ -105,7 +107,7 @@ class _Sampling(BaseModel):
     logit_bias: dict | None = None
     cache_salt: str | None = None  # the prefix-cache tenant, with the API key and `user`
     # goose extensions
-    speculative: str | None = None
+    speculative: Union[bool, str, None] = None
     sources: bool | None = False
     # vLLM extensions (see the module doc)
     ignore_eos: bool | None = False
@@ -180,9 +182,9 @@ class _Sampling(BaseModel):
     def method(self, methods) -> str | None:
         """The engine method of `speculative` (None: the server's default)."""
         spec = self.speculative
-        if spec is None:
+        if spec is None or spec is True:
             return None
-        if spec == "off":
+        if spec is False or spec == "off":
             return "ar"
         if spec not in methods:
             raise GooseError(f"unknown speculative method '{spec}'; choose 'off' or one of: {', '.join(methods)}")
