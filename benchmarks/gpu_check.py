@@ -107,13 +107,14 @@ def tiny_model(tokenizer_from: str):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+                      eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(8.0)  # peaked, repetitive text: drafts get accepted
+        model.lm_head.weight[96:] = 0  # it writes only the first 96 tokens (repeats, as tests/conftest.py's does)
     return model, tok
 
 
@@ -142,7 +143,10 @@ def run_tests(check: Check, device: torch.device) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(REPO / "tests" / "test_cuda.py"),
            *sel]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(30, min(240, check.left())))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src")] + [p for p in [os.environ.get(
+        "PYTHONPATH")] if p]))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env,
+                          timeout=max(30, min(240, check.left())))
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
     return {"returncode": proc.returncode, "summary": tail[-1] if tail else "", "tail": tail,
             "seconds": round(time.perf_counter() - t, 1)}
@@ -234,7 +238,8 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def hf_generate(check: Check, model, tok, device: torch.device, qs: list, max_new: int, ar_rows: list | None) -> dict:
-    """Hugging Face's `generate`, plain and with prompt lookup, on a bf16 copy of the model on the device."""
+    """Hugging Face's `generate`, plain and with prompt lookup, on a copy of the model on the device (bf16 on CUDA;
+    float32 on CPU); outputs compared with goose's ar in the first mode (`ar_rows`)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf = copy.deepcopy(model).to(device, dtype)  # (a copy: the GPU forwards keep the weights they copied)
     res = {}
@@ -261,9 +266,9 @@ def hf_generate(check: Check, model, tok, device: torch.device, qs: list, max_ne
                 rows.append({"category": q.category, "new_tokens": len(out), "wall_s": wall, "forward_calls": 0,
                              "tree_sizes": [], "identical_to_ar": same, "tokens": out})
         s = summarize(rows)
-        s["rows"] = rows
+        s["rows"], s["dtype"] = rows, str(dtype).replace("torch.", "")
         res[name] = s
-        check.note(f"hf {name}: {s['tokens_per_s']:.1f} tok/s, identical to goose bf16 ar {s['identical']}/"
+        check.note(f"hf {name}: {s['tokens_per_s']:.1f} tok/s, identical to goose's ar {s['identical']}/"
                    f"{s['compared']}")
     del hf
     return res
@@ -365,9 +370,10 @@ def markdown(d: dict) -> str:
             for method, s in per.items():
                 lines.append(f"| {mode} | {method} | {s['tokens_per_s']:.1f} | {s.get('speedup_vs_ar', '')} | "
                              f"{s['tau']:.2f} | {s['mean_tree']:.1f} | {s['identical']}/{s['compared']} |")
+        first = next(iter(sec["specbench"]), "")
         for name, s in (sec.get("hf") or {}).items():
-            lines.append(f"| hf (bf16 copy) | {name} | {s['tokens_per_s']:.1f} | | | | {s['identical']}/"
-                         f"{s['compared']} (vs goose bf16 ar) |")
+            lines.append(f"| Hugging Face, {s.get('dtype', '')} | {name} | {s['tokens_per_s']:.1f} | | | | "
+                         f"{s['identical']}/{s['compared']} (vs goose's {first} ar) |")
         lines.append("")
     if (sec.get("synthetic") or {}).get("projected_32_layers_ms"):
         syn = sec["synthetic"]
@@ -438,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m", help="packaged name, GGUF file or Hugging Face folder")
     ap.add_argument("--model-parts", type=Path, help="join the GGUF carried in parts here (gpu_carry.py) and use it")
     ap.add_argument("--per-category", type=int, default=1)
+    ap.add_argument("--questions", type=int, default=0, help="use only the first N questions (0: all)")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--modes", default=None, help="GPUForward modes to decode with, in this order (default: "
                     "bf16,fixed,fp32 on CUDA; fp32,fixed on CPU, where bfloat16 is slow)")
@@ -490,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         check.note(f"tests: {sec['tests'] and sec['tests']['summary']}")
     needs_model = {"curves", "specbench", "hf"} & set(sections)
     if needs_model:
+        if device.type == "cuda":  # goose's CPU kernels are not used here: do not compile them while loading
+            os.environ.setdefault("GOOSE_CPU_KERNEL", "0")
         t = time.perf_counter()
         if args.tiny:
             model, tok = tiny_model(args.model)
@@ -503,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             model, tok = real_model(source)
             name = source
         qs = questions(args.per_category, args.tiny)
+        qs = qs[: args.questions] if args.questions else qs
         prompts = [prompt_ids(tok, q) for q in qs]
         # room for the longest request and a step's tree (the engine's tree_room), and for the cost measurement's
         # longer cache (2 x 256 entries and a tree)

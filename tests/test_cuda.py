@@ -121,7 +121,7 @@ def test_compacted_cache_equals_a_fresh_prefill(mode):
     """After trees and `keep`, a slot holds what a prefill of the committed tokens writes (bit for bit in the exact
     mode, whose rows do not depend on the call around them)."""
     model = model32()
-    fwd = GPUForward(model, mode=mode, max_len=128, slots=3)
+    fwd = GPUForward(model, device="cpu", mode=mode, max_len=128, slots=3)
     rng = random.Random(3)
     prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(9)]
     with torch.inference_mode():
@@ -147,7 +147,7 @@ def test_compacted_cache_equals_a_fresh_prefill(mode):
 
 
 def test_slots_are_given_back_when_a_cache_goes():
-    fwd = GPUForward(model32(), max_len=32, slots=2)  # the forward's own cache holds one
+    fwd = GPUForward(model32(), device="cpu", max_len=32, slots=2)  # the forward's own cache holds one
     c = fwd.new_cache()
     with pytest.raises(GooseError, match="slots"):
         fwd.new_cache()
@@ -157,7 +157,7 @@ def test_slots_are_given_back_when_a_cache_goes():
 
 
 def test_sequences_longer_than_the_cache_are_refused():
-    fwd = GPUForward(model32(), max_len=16, slots=2)
+    fwd = GPUForward(model32(), device="cpu", max_len=16, slots=2)
     fwd.reset()
     fwd(list(range(2, 12)))
     with pytest.raises(GooseError, match="max_len"):
@@ -170,7 +170,7 @@ def test_sequences_longer_than_the_cache_are_refused():
 @pytest.mark.parametrize("mode", ["fp32", "fixed"])
 def test_logits_match_hf_forward_on_prompts_and_trees(mode):
     model = model32(1)
-    hf, fwd = HFForward(model, kernel=False), GPUForward(model, mode=mode, max_len=128, slots=2)
+    hf, fwd = HFForward(model, kernel=False), GPUForward(model, device="cpu", mode=mode, max_len=128, slots=2)
     rng = random.Random(11)
     with torch.inference_mode():
         hf.reset()
@@ -190,7 +190,7 @@ def test_logits_match_hf_forward_on_prompts_and_trees(mode):
 
 def test_features_are_the_final_norms_output():
     model = model32()
-    fwd = GPUForward(model, max_len=64, slots=2)
+    fwd = GPUForward(model, device="cpu", max_len=64, slots=2)
     seg = Segment(fwd.cache, [4, 5, 6], keep_last=1, features=True)
     fwd.cache.reset()
     logits = fwd.run([seg])[0]
@@ -201,7 +201,8 @@ def test_features_are_the_final_norms_output():
 
 # ---- graphs ------------------------------------------------------------------------------------------------------
 def test_graphs_are_captured_once_per_bucket_and_replayed():
-    fwd = GPUForward(model32(), mode="fixed", max_len=160, slots=2, graphs=True, make_graph=StandInGraph)
+    fwd = GPUForward(model32(), device="cpu", mode="fixed", max_len=160, slots=2, graphs=True,
+                     make_graph=StandInGraph)
     r = fwd.runner
     assert r.captures == len(BUCKETS) and sorted(r.graphs) == list(BUCKETS) and fwd.backend.endswith("-graphs")
     with pytest.raises(GooseError, match="once"):
@@ -220,8 +221,9 @@ def test_graphs_are_captured_once_per_bucket_and_replayed():
 def test_a_replayed_bucket_gives_the_eager_logits(mode):
     """Padding rows change nothing: the exact mode's rows equal the eager call's bit for bit."""
     model = model32(2)
-    eager = GPUForward(model, mode=mode, max_len=96, slots=2)
-    graphed = GPUForward(model, mode=mode, max_len=96, slots=2, graphs=True, make_graph=StandInGraph)
+    eager = GPUForward(model, device="cpu", mode=mode, max_len=96, slots=2)
+    graphed = GPUForward(model, device="cpu", mode=mode, max_len=96, slots=2, graphs=True,
+                         make_graph=StandInGraph)
     rng = random.Random(5)
     with torch.inference_mode():
         eager.reset()
@@ -250,10 +252,10 @@ def test_a_bucket_that_does_not_fit_in_memory_leaves_the_larger_sizes_eager(caps
             return super().capture(fn)
 
     model = model32()
-    fwd = GPUForward(model, mode="fixed", max_len=64, slots=2, graphs=True, make_graph=Tight)
+    fwd = GPUForward(model, device="cpu", mode="fixed", max_len=64, slots=2, graphs=True, make_graph=Tight)
     assert sorted(fwd.runner.graphs) == [1, 2, 4, 8] and fwd.runner.failed == 16
     assert "graphs<=8" in fwd.backend and "16 rows" in capsys.readouterr().err
-    ref = GPUForward(model, mode="fixed", max_len=64, slots=2)
+    ref = GPUForward(model, device="cpu", mode="fixed", max_len=64, slots=2)
     for f in (fwd, ref):
         f.reset()
     assert torch.equal(fwd(list(range(2, 22))), ref(list(range(2, 22))))  # 20 rows: eager, same logits
@@ -285,7 +287,7 @@ _FORWARDS: dict = {}
 def exact_forward(seed: int):
     """A fixed-mode forward (PyTorch's row loop) with stand-in graphs, per tiny model."""
     if seed not in _FORWARDS:
-        _FORWARDS[seed] = GPUForward(model32(seed), mode="fixed", max_len=384, slots=4, graphs=True,
+        _FORWARDS[seed] = GPUForward(model32(seed), device="cpu", mode="fixed", max_len=384, slots=4, graphs=True,
                                      make_graph=StandInGraph, use_triton=False)
     return _FORWARDS[seed]
 
@@ -305,8 +307,8 @@ def test_every_method_equals_ar_through_the_exact_mode(prompt, max_new, cfg, see
 
 def test_goose_measures_the_forwards_own_cost_curve():
     """Without a given curve, `goose` measures this forward's (engine/measure.py) and decodes losslessly."""
-    fwd = GPUForward(model32(), mode="fixed", max_len=1024, slots=6, graphs=True, make_graph=StandInGraph,
-                     use_triton=False)
+    fwd = GPUForward(model32(), device="cpu", mode="fixed", max_len=1024, slots=6, graphs=True,
+                     make_graph=StandInGraph, use_triton=False)
     model = model32()
     prompt = [5, 6, 7, 8, 9, 10] * 4
     ref, _ = Decoder(model, None, "ar", forward=fwd).generate_ids(prompt, DecodeConfig(max_new_tokens=24))
@@ -388,21 +390,20 @@ def test_bad_input_gets_one_clear_error():
         with pytest.raises(GooseError, match="no CUDA device"):
             GPUForward(model, device="cuda")
     with pytest.raises(GooseError, match="unknown mode"):
-        GPUForward(model, mode="fp8")
+        GPUForward(model, device="cpu", mode="fp8")
     with pytest.raises(GooseError, match="dtype"):
-        GPUForward(model, mode="fixed", fixed_dtype="fp16")
+        GPUForward(model, device="cpu", mode="fixed", fixed_dtype="fp16")
     with pytest.raises(GooseError, match="fixed_dtype"):
-        GPUForward(model, mode="bf16", fixed_dtype="bf16")
+        GPUForward(model, device="cpu", mode="bf16", fixed_dtype="bf16")
     with pytest.raises(GooseError, match="unknown device"):
         GPUForward(model, device="warp-drive")
-    if not torch.cuda.is_available():
-        with pytest.raises(GooseError, match="graphs"):
-            GPUForward(model, graphs=True)
+    with pytest.raises(GooseError, match="graphs"):
+        GPUForward(model, device="cpu", graphs=True)
     if fixed_kernels.triton is None:
         with pytest.raises(GooseError, match="Triton"):
-            GPUForward(model, mode="fixed", use_triton=True)
-    fwd = GPUForward(model, mode="fixed", max_len=32, slots=2)
-    other = GPUForward(model, max_len=32, slots=2)
+            GPUForward(model, device="cpu", mode="fixed", use_triton=True)
+    fwd = GPUForward(model, device="cpu", mode="fixed", max_len=32, slots=2)
+    other = GPUForward(model, device="cpu", max_len=32, slots=2)
     with pytest.raises(GooseError, match="caches it made"):
         fwd.run([Segment(other.new_cache(), [3])])
     fwd.reset()
@@ -419,7 +420,7 @@ def test_unsupported_architectures_are_refused():
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     with pytest.raises(GooseError, match="does not support this model.*gpt2"):
-        GPUForward(gpt2)
+        GPUForward(gpt2, device="cpu")
 
 
 # ---- on a GPU (benchmarks/gpu_check.py runs these) ---------------------------------------------------------------
