@@ -360,8 +360,31 @@ def test_metrics_after_requests(client, url):
                  'goose_accepted_tokens_total{source="spine"}', 'goose_drafted_tokens_total{source="branch"}',
                  "goose_request_tau_bucket", "goose_time_to_first_token_seconds_bucket",
                  "goose_time_per_output_token_seconds_bucket", "goose_batch_size_bucket", "goose_requests_running",
-                 "goose_requests_waiting", "goose_forward_calls_total", "goose_prompt_tokens_cached_total"):
+                 "goose_requests_waiting", "goose_forward_calls_total", "goose_prompt_tokens_cached_total",
+                 'goose_accepted_tokens_total{source="memory"}', 'goose_accepted_tokens_total{source="head"}'):
         assert name in text, name
+
+
+def test_memory_bytes_per_tenant_under_hashed_labels(client, url, engine):
+    """Each tenant's suffix memory bytes are on /metrics under a hashed label (names never shown), with the
+    totals; the label set is bounded (the largest MEMORY_REPORT_TENANTS tenants)."""
+    from goose.engine.scheduler import MEMORY_REPORT_TENANTS
+
+    for user in ("alice-metrics", "bob-metrics"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "remember this text"}],
+                                       max_tokens=12, temperature=0, user=user)
+    deadline = time.monotonic() + 10
+    while True:  # the engine publishes the sizes once it goes idle
+        text = raw(url, "GET", "/metrics")[2].decode()
+        series = [line for line in text.splitlines() if line.startswith("goose_memory_tenant_bytes{")]
+        if len(series) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert 2 <= len(series) <= MEMORY_REPORT_TENANTS and "alice" not in text and "bob" not in text
+    assert all(line.split('tenant="')[1].startswith("t-") and float(line.split()[-1]) > 0 for line in series)
+    total = next(line for line in text.splitlines() if line.startswith("goose_memory_bytes "))
+    assert float(total.split()[-1]) >= sum(float(line.split()[-1]) for line in series)
+    assert engine.memory_report.tenants >= 2
 
 
 # ---- the command line: goose serve in a subprocess, SIGTERM drains --------------------------------------

@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import heapq
 import itertools
 import logging
+import operator
 import os
 import queue
 import secrets
 import threading
 import time
 from collections import deque
+from typing import NamedTuple
 
 from ..backends.cpukernel import release_thread_team
 from ..config import EngineConfig, GooseConfig
@@ -55,6 +58,19 @@ _END = object()  # end of a request's block queue
 log = logging.getLogger("goose.engine")
 BATCH_SIZES_KEPT = 4096  # Engine.batch_sizes: the sizes of this many most recent steps
 TRIM_S = 5.0  # while busy, the step loop hands the C heap's free memory back at most this often (and when idle)
+MEMORY_REPORT_S = 1.0  # while busy, the step loop publishes the suffix memories' sizes at most this often
+MEMORY_REPORT_TENANTS = 16  # tenants named in that report (the largest; the rest only in the totals)
+
+
+class MemoryReport(NamedTuple):
+    """The suffix memories' sizes (`Engine.memory_report`): bytes and tenants in all, sequences evicted and
+    tenants dropped so far, and the largest tenants' bytes (at most MEMORY_REPORT_TENANTS of them)."""
+
+    bytes: int
+    tenants: int
+    evicted: int
+    dropped: int
+    largest: tuple[tuple[str, int], ...]
 
 
 class Request:
@@ -289,6 +305,9 @@ class Engine:
         self.batch_sizes: deque[int] = deque(maxlen=BATCH_SIZES_KEPT)  # requests per step, recent steps only
         self.batch_counts = [0] * (self.max_batch + 1)  # steps run with n requests, for every n (fixed size)
         self.failure: str | None = None  # why the step loop stopped for good (None: it runs, or was closed)
+        # the suffix memories' sizes as the step loop last published them (`MemoryReport`; read from any thread)
+        self.memory_report = MemoryReport(0, 0, 0, 0, ())
+        self._memory_changed, self._reported_at = False, 0.0
         self._trimmed_at = time.monotonic()  # when the loop last handed free heap memory back (`trim_heap`)
         self.last_step_at: float | None = None  # time.monotonic() when the last step ended (None: none yet)
         self._thread = threading.Thread(target=self._loop, name="goose-engine", daemon=True) if thread else None
@@ -511,6 +530,8 @@ class Engine:
             self._trimmed_at = now
         if idle:  # an idle engine keeps no OpenMP team: torch work on other threads meanwhile runs at full speed
             release_thread_team()
+        if self._memory_changed and (idle or now - self._reported_at >= MEMORY_REPORT_S):
+            self._report_memory(now)
         with self._cond:
             while not self._waiting and not self._running:
                 if self._closed:
@@ -567,11 +588,20 @@ class Engine:
                 elif s.done:
                     if not r.private_memory:
                         self.memories.insert(r.tenant, s.prompt + s.out)
+                        self._memory_changed = True
                     r._finish(s.finish_reason)
         with self._cond:
             self._running = [r for r in self._running if not r.done]
         self.last_step_at = time.monotonic()
         return True
+
+    def _report_memory(self, now: float) -> None:
+        """Publish the suffix memories' sizes (`memory_report`): one tuple, replaced whole, so a reader on another
+        thread never sees the pool mid-change."""
+        pool = self.memories
+        largest = heapq.nlargest(MEMORY_REPORT_TENANTS, pool.tenant_bytes().items(), key=operator.itemgetter(1))
+        self.memory_report = MemoryReport(pool.nbytes, len(pool), pool.evicted, pool.dropped, tuple(largest))
+        self._memory_changed, self._reported_at = False, now
 
     def _share_prefixes(self, running: list[Request]) -> None:
         """Requests that have prefilled nothing of their own take the longest stored prefix of their prompt
@@ -637,6 +667,7 @@ class Engine:
             return
         self.prefixes.clear()  # entries of the old weights
         self.memories.clear()  # drafts learned from the old weights' outputs
+        self._memory_changed = True
         with self._cond:
             for r in self._running:
                 r._finish("error", RequestFailed("the model's weights changed while this request was decoded"))

@@ -10,6 +10,8 @@ chains), its accepted tokens those of the accepted path; mean acceptance length 
 
 from __future__ import annotations
 
+import hashlib
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the app)
     CollectorRegistry,
@@ -52,11 +54,40 @@ class _PrefixCacheCollector:
                                 value=store.max_bytes)
 
 
+def tenant_label(tenant: str) -> str:
+    """A tenant as a metrics label: "anonymous" for the anonymous tenant, else "t-" and the first 12 hex digits
+    of its name's sha256 (names may be user ids or salts: /metrics never shows them)."""
+    return "anonymous" if tenant == "" else "t-" + hashlib.sha256(tenant.encode("utf-8")).hexdigest()[:12]
+
+
+class _MemoryCollector:
+    """The suffix memories' sizes as the engine last published them (`Engine.memory_report`): totals, and the
+    largest tenants' bytes under hashed labels (`tenant_label`; at most MEMORY_REPORT_TENANTS series)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def collect(self):
+        rep = self._engine.memory_report
+        yield GaugeMetricFamily("goose_memory_bytes", "Bytes of the suffix memories of all tenants", value=rep.bytes)
+        yield GaugeMetricFamily("goose_memory_tenants", "Tenants with a suffix memory", value=rep.tenants)
+        evicted = CounterMetricFamily("goose_memory_evicted_sequences", "Sequences the suffix memories dropped to "
+                                      "keep to their byte budget")
+        evicted.add_metric([], rep.evicted)
+        yield evicted
+        per = GaugeMetricFamily("goose_memory_tenant_bytes", "Bytes of the suffix memory of each of the largest "
+                                "tenants (hashed names)", labels=["tenant"])
+        for tenant, nbytes in rep.largest:
+            per.add_metric([tenant_label(tenant)], nbytes)
+        yield per
+
+
 class Metrics:
     def __init__(self, engine, model_name: str = "goose") -> None:
         r = self.registry = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, cpu seconds, open fds
         r.register(_PrefixCacheCollector(engine))
+        r.register(_MemoryCollector(engine))
         self.requests = Counter("goose_requests", "Requests answered, by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
         self.prompt_tokens = Counter("goose_prompt_tokens", "Prompt tokens of finished requests", registry=r)
