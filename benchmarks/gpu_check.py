@@ -152,12 +152,18 @@ def run_tests(check: Check, device: torch.device) -> dict:
             "seconds": round(time.perf_counter() - t, 1)}
 
 
-def mode_forwards(model, device: torch.device, modes: list[str], max_len: int, graphs_off_too: bool) -> dict:
-    """name -> GPUForward: each mode with graphs (stand-ins on CPU), and bf16 without graphs for comparison."""
+def mode_forwards(model, device: torch.device, modes: list[str], max_len: int, graphs_off_too: bool,
+                  no_dot: bool = False) -> dict:
+    """name -> GPUForward: each mode with graphs (stand-ins on CPU), and bf16 without graphs for comparison.
+    `no_dot`: the fixed mode's Triton matmul without `tl.dot` (`TritonFixed(dot=False)`)."""
+    from goose.backends.fixed_kernels import TritonFixed
+
     stand_in = None if device.type == "cuda" else StandInGraph
     out = {}
     for mode in modes:
-        out[mode] = GPUForward(model, device=device, mode=mode, max_len=max_len, graphs=True, make_graph=stand_in)
+        kernels = TritonFixed(dot=False) if mode == "fixed" and no_dot and device.type == "cuda" else None
+        out[mode] = GPUForward(model, device=device, mode=mode, max_len=max_len, graphs=True, make_graph=stand_in,
+                               kernels=kernels)
     if graphs_off_too:
         first = modes[0]
         out[f"{first}-eager"] = GPUForward(model, device=device, mode=first, max_len=max_len, graphs=False)
@@ -452,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--synthetic-layers", default="2,4", help="the two depths of the 8B-shaped models")
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting sections past this")
     ap.add_argument("--max-len", type=int, default=0, help="cache entries per sequence (0: from the prompts)")
+    ap.add_argument("--fixed-no-dot", action="store_true", help="the fixed mode's matmul without tl.dot (if the "
+                    "GPU tests find tl.dot's rows depend on their place in a tile)")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -520,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         max_len = args.max_len or (need + 255) // 256 * 256
         check.data["env"].update(model=name, questions=len(qs), max_len=max_len)
         check.note(f"model {name} loaded in {time.perf_counter() - t:.1f} s; {len(qs)} questions, cache {max_len}")
-        forwards = guarded("forwards", lambda: mode_forwards(model, device, modes, max_len, "curves" in sections))
+        forwards = guarded("forwards", lambda: mode_forwards(model, device, modes, max_len, "curves" in sections,
+                                                             args.fixed_no_dot))
         curves = {}
         if forwards and "curves" in sections:
             curves = guarded("curves", lambda: cost_curves(check, model, forwards)) or {}

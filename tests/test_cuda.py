@@ -395,6 +395,8 @@ def test_bad_input_gets_one_clear_error():
         GPUForward(model, device="cpu", mode="fixed", fixed_dtype="fp16")
     with pytest.raises(GooseError, match="fixed_dtype"):
         GPUForward(model, device="cpu", mode="bf16", fixed_dtype="bf16")
+    with pytest.raises(GooseError, match="kernels"):
+        GPUForward(model, device="cpu", mode="fp32", kernels=fixed_kernels.TorchFixed())
     with pytest.raises(GooseError, match="unknown device"):
         GPUForward(model, device="warp-drive")
     with pytest.raises(GooseError, match="graphs"):
@@ -426,9 +428,10 @@ def test_unsupported_architectures_are_refused():
 # ---- on a GPU (benchmarks/gpu_check.py runs these) ---------------------------------------------------------------
 @cuda
 @has_triton
+@pytest.mark.parametrize("dot", [None, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_triton_kernels_are_row_count_independent(dtype):
-    _row_count_independent(fixed_kernels.TritonFixed(), torch.device("cuda"), dtype)
+def test_cuda_triton_kernels_are_row_count_independent(dtype, dot):
+    _row_count_independent(fixed_kernels.TritonFixed(dot=dot), torch.device("cuda"), dtype)
 
 
 @cuda

@@ -248,13 +248,14 @@ class GPUForward(Forward):
     def __init__(self, model, *, device: str | torch.device | None = None, mode: str | None = None,
                  fixed_dtype: str | None = None, graphs: bool | None = None, max_len: int = DEFAULT_MAX_LEN,
                  slots: int = DEFAULT_SLOTS, buckets: tuple[int, ...] = BUCKETS, make_graph=None,
-                 use_triton: bool | None = None) -> None:
+                 use_triton: bool | None = None, kernels=None) -> None:
         """`device`: None = CUDA when available, else the model's device; "cuda" without a GPU is refused.
         `mode`: "bf16", "fp32" or "fixed" (None: "bf16" on CUDA, "fp32" elsewhere). `fixed_dtype`: the weights'
         dtype in fixed mode (None: "bf16" on CUDA, "fp32" elsewhere). `graphs`: capture CUDA graphs per bucket
         (None: on CUDA); `make_graph` makes the graph objects (a stand-in, for tests off CUDA). `max_len`: cache
         entries per sequence; `slots`: caches alive at once. `use_triton`: the fixed mode's Triton kernels (None:
-        on CUDA; True: also under Triton's interpreter on CPU; see `fixed_kernels.fixed_kernels`)."""
+        on CUDA; True: also under Triton's interpreter on CPU; see `fixed_kernels.fixed_kernels`); `kernels`: the
+        fixed mode's kernels themselves (a `TritonFixed` or `TorchFixed`), instead."""
         why = unsupported_reason(model)
         if why is not None:
             raise GooseError(f"GPUForward does not support this model: {why}")
@@ -268,12 +269,12 @@ class GPUForward(Forward):
             if name not in DTYPES:
                 raise GooseError(f"unsupported dtype '{name}' for the fixed mode; choose bf16 or fp32")
             self.dtype = DTYPES[name]
-            self.fixed = fixed_kernels(self.device, use_triton)
-            if on_cuda and self.fixed.name != "triton":
+            self.fixed = kernels if kernels is not None else fixed_kernels(self.device, use_triton)
+            if on_cuda and not self.fixed.name.startswith("triton"):
                 raise GooseError("the fixed mode on CUDA needs Triton (pip install triton)")
         else:
-            if fixed_dtype is not None:
-                raise GooseError("fixed_dtype applies to mode='fixed' only")
+            if fixed_dtype is not None or kernels is not None:
+                raise GooseError("fixed_dtype and kernels apply to mode='fixed' only")
             self.dtype, self.fixed = DTYPES[mode], None
         self.mode = mode
         if max_len < 1 or slots < 1:

@@ -173,10 +173,16 @@ class TritonFixed:
 
     name = "triton"
 
-    def __init__(self, block_m: int = 16, block_n: int = 64, block_k: int = 64, block_t: int = 64) -> None:
+    def __init__(self, block_m: int = 16, block_n: int = 64, block_k: int = 64, block_t: int = 64,
+                 dot: bool | None = None) -> None:
+        """`dot`: multiply a tile with `tl.dot` (None: on CUDA; False: products summed in order, as under the
+        interpreter, slower on a GPU but independent of how the tensor cores order a tile's sums)."""
         if triton is None:
             raise GooseError("the Triton kernels need the 'triton' package")
         self.bm, self.bn, self.bk, self.bt = block_m, block_n, block_k, block_t
+        self.dot = dot
+        if dot is False:
+            self.name = "triton-nodot"
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -188,7 +194,8 @@ class TritonFixed:
         grid = (triton.cdiv(M, self.bm), triton.cdiv(N, self.bn))
         _kernels().linear[grid](x, w, bias if bias is not None else w, y, M, N, K, x.stride(0), w.stride(0),
                                 y.stride(0), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-                                DOT=x.device.type == "cuda", BM=self.bm, BN=self.bn, BK=self.bk)
+                                DOT=x.device.type == "cuda" if self.dot is None else self.dot,
+                                BM=self.bm, BN=self.bn, BK=self.bk)
         return y
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
