@@ -218,7 +218,8 @@ def spec_bench(check: Check, model, tok, forwards: dict, curves: dict, qs: list,
                 same = out == ar_out[i] if i < len(ar_out) else None
                 rows.append({"category": q.category, "id": q.question_id, "prompt_tokens": len(ids),
                              "new_tokens": len(out), "wall_s": wall, "forward_calls": st.forward_calls,
-                             "tree_sizes": list(st.tree_sizes), "identical_to_ar": same, "tokens": out})
+                             "tree_sizes": list(st.tree_sizes), "identical_to_ar": same, "tokens": out,
+                             "stage_ms": {k: round(v, 3) for k, v in st.stage_ms.items()}})
             per[method] = summarize(rows)
             per[method]["rows"] = rows
             s = per[method]
@@ -237,7 +238,11 @@ def summarize(rows: list[dict]) -> dict:
     calls = sum(r["forward_calls"] for r in rows)
     sizes = [s for r in rows for s in r["tree_sizes"]]
     same = [r["identical_to_ar"] for r in rows if r["identical_to_ar"] is not None]
-    return {"questions": len(rows), "new_tokens": tokens, "wall_s": round(wall, 4),
+    stages: dict = {}
+    for r in rows:
+        for k, v in r.get("stage_ms", {}).items():
+            stages[k] = round(stages.get(k, 0.0) + v, 3)
+    return {"questions": len(rows), "stage_ms": stages, "new_tokens": tokens, "wall_s": round(wall, 4),
             "tokens_per_s": round(tokens / wall, 3) if wall else 0.0, "tau": round(tokens / max(1, calls), 3),
             "mean_tree": round(statistics.mean(sizes), 2) if sizes else 0.0,
             "identical": sum(1 for x in same if x), "compared": len(same)}
@@ -370,12 +375,17 @@ def markdown(d: dict) -> str:
                          + f" | {c['ratio_64_1']:.2f} |")
         lines.append("")
     if sec.get("specbench"):
-        lines += ["## Spec-Bench", "", "| mode | method | tokens/s | vs ar | tau | mean tree | identical to ar |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["## Spec-Bench", "", "host share: the step loop's time outside the forward (drafting, selection, "
+                  "verification, harvest), what overlapping with the GPU could hide", "",
+                  "| mode | method | tokens/s | vs ar | tau | mean tree | host share | identical to ar |",
+                  "|---|---|---|---|---|---|---|---|"]
         for mode, per in sec["specbench"].items():
             for method, s in per.items():
+                st = s.get("stage_ms") or {}
+                total = sum(st.values())
+                host = f"{(total - st.get('forward', 0.0)) / total:.0%}" if total else ""
                 lines.append(f"| {mode} | {method} | {s['tokens_per_s']:.1f} | {s.get('speedup_vs_ar', '')} | "
-                             f"{s['tau']:.2f} | {s['mean_tree']:.1f} | {s['identical']}/{s['compared']} |")
+                             f"{s['tau']:.2f} | {s['mean_tree']:.1f} | {host} | {s['identical']}/{s['compared']} |")
         first = next(iter(sec["specbench"]), "")
         for name, s in (sec.get("hf") or {}).items():
             lines.append(f"| Hugging Face, {s.get('dtype', '')} | {name} | {s['tokens_per_s']:.1f} | | | | "
