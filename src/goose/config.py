@@ -352,6 +352,7 @@ DEFAULT_MEMORY_MB = 64  # Engine / Decoder(memory_mb=...), goose serve --memory-
 # goose serve --stall-timeout: seconds without a finished step, while requests wait or run, after which /health
 # answers 503
 DEFAULT_STALL_S = 60.0
+DEFAULT_SNAPSHOT_S = 300.0  # goose serve --snapshot-interval: seconds between memory snapshots (when they changed)
 DEFAULT_MAX_TENANTS = 10_000  # Engine(max_tenants=...), goose serve --max-tenants: per memory pool and prefix cache
 
 

@@ -289,6 +289,18 @@ class MemoryPool:
             if len(oldest) == 0:
                 self._drop(name)
 
+    def export(self) -> list[tuple[str, list[bytes]]]:
+        """Every tenant's sequences as int32 token bytes, least recently used first (tenants and sequences): what
+        `goose.drafting.snapshot.write_snapshot` writes. A copy: the pool may change once it returns."""
+        return [(name, [seq.tokens.tobytes() for seq in mem._seqs.values()]) for name, mem in self._tenants.items()]
+
+    def restore(self, tenants: list[tuple[str, list[list[int]]]]) -> None:
+        """Insert `tenants`' sequences in order (as `export` lists them): the same tenants and sequences, in the
+        same order of eviction, as far as this pool's budget holds them."""
+        for name, seqs in tenants:
+            for tokens in seqs:
+                self.insert(name, tokens)
+
     def _drop(self, tenant: str) -> None:
         mem = self._tenants.pop(tenant)
         self._bytes -= mem.nbytes + TENANT_BYTES

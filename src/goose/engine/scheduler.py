@@ -10,6 +10,7 @@ Callers talk to it only through `Request` objects (thread-safe).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import heapq
@@ -296,6 +297,7 @@ class Engine:
         for name in settings.methods or ():  # the methods requests may name, prepared now (never mid-serving)
             self._template(name)
         self._cond = threading.Condition()
+        self._calls: deque = deque()  # (fn, Future) to run on the loop's thread between steps (`call`)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._ids = itertools.count(1)
@@ -435,6 +437,53 @@ class Engine:
             self._fail(exc)
             raise
 
+    def call(self, fn, timeout: float | None = None):
+        """``fn()`` run where the engine's state is owned: on the step loop's thread between two steps while a
+        loop runs (its result returned, its exception raised here; TimeoutError after `timeout` seconds), else
+        on the calling thread. How a server exports or restores the suffix memories (`memories`) safely."""
+        runner = self._thread if self._thread is not None else self._runner
+        if runner is None or not runner.is_alive() or runner is threading.current_thread():
+            return fn()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._calls.append((fn, done))
+            self._cond.notify_all()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done.done():
+            if not runner.is_alive():  # the loop ended before it ran the call: nothing else owns the state now
+                self._run_calls()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            concurrent.futures.wait([done], timeout=0.1 if left is None else min(0.1, left))
+        return done.result(0)
+
+    def export_memories(self, timeout: float | None = None) -> list[tuple[str, list[bytes]]]:
+        """A copy of the suffix memories, every tenant's sequences (`MemoryPool.export`), taken between steps."""
+        return self.call(self.memories.export, timeout)
+
+    def restore_memories(self, tenants: list[tuple[str, list[list[int]]]], timeout: float | None = None) -> None:
+        """Insert `tenants`' sequences (`MemoryPool.restore`: as `export_memories` lists them) between steps."""
+
+        def restore() -> None:
+            self.memories.restore(tenants)
+            self._report_memory(time.monotonic())
+
+        self.call(restore, timeout)
+
+    def _run_calls(self) -> None:
+        """Run the calls queued by `call` (on the loop's thread)."""
+        while True:
+            with self._cond:
+                if not self._calls:
+                    return
+                fn, done = self._calls.popleft()
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                    done.set_exception(exc)
+
     def drive(self, req: Request):
         """With ``thread=False``: `req`'s token blocks, stepping the loop on this thread whenever none is
         waiting (other requests advance beside it); raises the request's error at the end. Stopping the
@@ -494,6 +543,8 @@ class Engine:
             self._fail(exc)
             if self._thread is None:
                 raise  # run() on the caller's thread: the caller sees it
+        finally:
+            self._run_calls()  # (calls queued as the loop ended: nothing else owns the state now)
 
     def _fail(self, exc: BaseException) -> None:
         """The loop failed: record why, fail every queued and running request with it, refuse new ones."""
@@ -533,10 +584,12 @@ class Engine:
         if self._memory_changed and (idle or now - self._reported_at >= MEMORY_REPORT_S):
             self._report_memory(now)
         with self._cond:
-            while not self._waiting and not self._running:
+            while not self._waiting and not self._running and not self._calls:
                 if self._closed:
                     return False
                 self._cond.wait()
+        self._run_calls()
+        with self._cond:
             for r in [r for r in self._waiting if r._cancel.is_set()]:
                 self._waiting.remove(r)
                 r._finish("cancelled")

@@ -37,8 +37,8 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from ..config import DEFAULT_SNAPSHOT_S, EngineConfig, GooseConfig
 from ..config import DEFAULT_STALL_S as STALL_S
-from ..config import EngineConfig
 from ..decoding import encode_chat
 from ..engine.methods import METHODS
 from ..engine.output import MAX_STOP_BYTES, Detokenizer
@@ -47,6 +47,7 @@ from ..machine import glibc
 from .keys import ApiKeys, Key
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatCompletionRequest, CompletionRequest
+from .snapshots import MemorySnapshots, snapshot_identity
 
 log = logging.getLogger("goose.server")
 
@@ -259,6 +260,7 @@ class Serving:
         self.watch_failure: str | None = None  # why the watcher (`watch`) stopped: no restart will come
         self.idle_at = time.monotonic()  # when the watcher last saw the engine with no request
         self.started_engines: list = []  # engines this server built (it closes them)
+        self.snapshots = None  # the suffix memories' snapshot file (`create_app`'s `snapshots`)
         tok = engine.tokenizer
         self.tok = tok
         self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -375,6 +377,8 @@ class Serving:
                                  "restarts": self.restarts}, 503)
         running, waiting = self.engine.load()
         body = {"status": "ok", "model": self.model_name, "running": running, "waiting": waiting}
+        if self.snapshots is not None:
+            body["memory_snapshot"] = self.snapshots.status
         if self.restarts:
             body.update(restarts=self.restarts, last_failure=self.last_failure)
         return JSONResponse(body)
@@ -654,7 +658,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, api_keys:
                metrics_key: str | None = None, allowed_hosts=LOOPBACK_HOSTS, max_body_bytes: int = 1 << 20,
                default_max_tokens: int = 512, drain_timeout: float = 30.0, close_engine: bool = True,
                restart=None, max_restarts: int = 1, on_fatal=None, hide_sources: bool = False,
-               stall_s: float = STALL_S) -> FastAPI:
+               stall_s: float = STALL_S, snapshots=None) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name` (the state and handlers are a `Serving`, at
     ``app.state.serving``). `api_key`: bearer token /v1 requires (None: none), or `api_keys`: the tokens of a
     key file (`goose.server.keys`); `metrics_key`: bearer token /metrics requires (None: /metrics is open, or
@@ -664,20 +668,31 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, api_keys:
     `on_fatal(reason)` is called; `close_engine`: on shutdown, close the engine, letting running requests
     finish for `drain_timeout` s (engines built by `restart` are always closed); `hide_sources`: responses
     and streams carry no draft sources (`sources` pieces, `accepted` / `drafted` counts); `stall_s`: /health
-    answers 503 when requests wait or run and no step finished for this many seconds."""
+    answers 503 when requests wait or run and no step finished for this many seconds; `snapshots`: a
+    `goose.server.snapshots.MemorySnapshots` (the suffix memories loaded at start-up, saved at its interval
+    and after shutdown) or None."""
     srv = Serving(engine, model_name, api_key=api_key, api_keys=api_keys, metrics_key=metrics_key,
                   default_max_tokens=default_max_tokens, restart=restart, max_restarts=max_restarts,
                   on_fatal=on_fatal, hide_sources=hide_sources, stall_s=stall_s)
 
+    srv.snapshots = snapshots
+
     @asynccontextmanager
     async def lifespan(app):
-        watcher = asyncio.create_task(srv.watch())
+        if snapshots is not None:
+            await asyncio.to_thread(snapshots.load, srv.engine)
+        tasks = [asyncio.create_task(srv.watch())]
+        if snapshots is not None:
+            tasks.append(asyncio.create_task(snapshots.run(lambda: srv.engine)))
         try:
             yield
         finally:
-            watcher.cancel()
+            for task in tasks:
+                task.cancel()
             if close_engine or srv.engine is not engine:
                 await asyncio.to_thread(srv.engine.close, drain_timeout)
+            if snapshots is not None:  # (after the drain: the finished requests' text is in it)
+                await asyncio.to_thread(snapshots.save, srv.engine, True)
 
     app = FastAPI(title="goose", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving, app.state.metrics = srv, srv.metrics
@@ -772,13 +787,16 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
           max_body_bytes: int = 1 << 20, default_max_tokens: int = 512, log_level: str = "info",
           weights: str | None = None, metrics_key: str | None = None, allowed_hosts=None, max_restarts: int = 1,
           arith: str = "exact", api_keys: ApiKeys | None = None, hide_sources: bool = False,
-          stall_s: float = STALL_S, config=None) -> int:
+          stall_s: float = STALL_S, config=None, memory_snapshot: str | None = None,
+          snapshot_interval_s: float = DEFAULT_SNAPSHOT_S) -> int:
     """Load `model`, start an Engine with `engine_config` (`SERVE_ENGINE`: the engine's defaults with a queue
     of 64) and the methods' `config` (a GooseConfig; None: the defaults) and serve it until SIGINT / SIGTERM
     (running requests get `drain_timeout` seconds to finish). A failed engine is rebuilt up to `max_restarts`
     times; after that the server stops.
     `allowed_hosts` None: the loopback names when `host` is a loopback address, else any host; `api_keys`,
-    `hide_sources`, `stall_s`: as `create_app`'s. Returns the exit status: 0, or 1 when the server stopped
+    `hide_sources`, `stall_s`: as `create_app`'s. `memory_snapshot`: a file the suffix memories are loaded from
+    at start-up and written to every `snapshot_interval_s` seconds (when they changed) and on shutdown
+    (`goose.server.snapshots`; None: none). Returns the exit status: 0, or 1 when the server stopped
     because its engine failed (uvicorn itself exits with status 1 or 3 when it cannot start, e.g. on a taken
     port)."""
     import uvicorn
@@ -792,6 +810,12 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
     def build():
         return Engine(net, tok, method, config=config, engine_config=engine_config)
 
+    snapshots = None
+    if memory_snapshot is not None:
+        min_match = (config or GooseConfig()).memory.min_match
+        snapshots = MemorySnapshots(memory_snapshot, snapshot_identity(net, tok, min_match),
+                                    net.get_output_embeddings().weight.shape[0], snapshot_interval_s)
+
     if allowed_hosts is None:
         allowed_hosts = LOOPBACK_HOSTS if host_name(host) in LOOPBACK_HOSTS or host.startswith("127.") else None
     elif "*" in allowed_hosts:
@@ -804,7 +828,8 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
     app = create_app(build(), served_name or Path(model).name, api_key=api_key, api_keys=api_keys,
                      metrics_key=metrics_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes,
                      default_max_tokens=default_max_tokens, drain_timeout=drain_timeout, restart=build,
-                     max_restarts=max_restarts, on_fatal=fatal, hide_sources=hide_sources, stall_s=stall_s)
+                     max_restarts=max_restarts, on_fatal=fatal, hide_sources=hide_sources, stall_s=stall_s,
+                     snapshots=snapshots)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=drain_timeout))
     server_box.append(server)

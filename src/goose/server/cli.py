@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..cliargs import add_head_arg, add_model_args, goose_config, int_in, method_name, positive_int, prefix_cache_mb
-from ..config import DEFAULT_MAX_TENANTS, DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB, EngineConfig
+from ..config import DEFAULT_MAX_TENANTS, DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB, DEFAULT_SNAPSHOT_S, EngineConfig
 from ..config import DEFAULT_STALL_S as STALL_S
 from .keys import MAX_KEY_CHARS, MAX_KEY_LINES, MAX_TENANT_CHARS, read_key_file
 
@@ -97,7 +97,8 @@ def cmd_serve(args) -> int:
                  max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
                  weights=getattr(args, "weights", None), arith=args.arith, metrics_key=metrics_key,
                  allowed_hosts=hosts, max_restarts=args.max_restarts, api_keys=keys,
-                 hide_sources=args.hide_draft_sources, stall_s=args.stall_timeout, config=goose_config(args))
+                 hide_sources=args.hide_draft_sources, stall_s=args.stall_timeout, config=goose_config(args),
+                 memory_snapshot=args.memory_snapshot, snapshot_interval_s=args.snapshot_interval)
 
 
 def cmd_bench_serve(args) -> int:
@@ -127,6 +128,12 @@ def register(sub) -> None:
     s.add_argument("--memory-mb", type=_memory_mb, default=DEFAULT_MEMORY_MB,
                    help="room for earlier requests' prompts and outputs that goose drafts from, one memory per "
                         f"tenant (key file tenant, user, cache_salt); 0 = off (default {DEFAULT_MEMORY_MB})")
+    s.add_argument("--memory-snapshot", default=None, metavar="PATH",
+                   help="load the suffix memories from PATH at start-up (refused in one line, and started empty, "
+                        "when damaged or made for another model), and write them there atomically every "
+                        "--snapshot-interval seconds when they changed and on shutdown (default: none)")
+    s.add_argument("--snapshot-interval", type=_seconds, default=DEFAULT_SNAPSHOT_S,
+                   help=f"seconds between memory snapshots (default {DEFAULT_SNAPSHOT_S:g})")
     s.add_argument("--max-tenants", type=positive_int, default=DEFAULT_MAX_TENANTS,
                    help="tenants the suffix memory keeps, and tenants with blocks in the prefix cache (the least "
                         f"recently used tenant goes first; default {DEFAULT_MAX_TENANTS:,})")
