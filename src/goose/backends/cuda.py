@@ -359,7 +359,9 @@ class GPUForward(Forward):
                              a.k_norm.variance_epsilon)
             self.layers.append(L)
         self.norm, self.norm_eps = put(base.norm.weight), base.norm.variance_epsilon
-        self.lm_head, self.lm_head_b = put(model.lm_head.weight), put(model.lm_head.bias)
+        tied = model.lm_head.weight is base.embed_tokens.weight
+        self.lm_head = self.embed if tied else put(model.lm_head.weight)  # [V, hid] (a tied head: one copy)
+        self.lm_head_b = put(model.lm_head.bias)
 
     def _rope_table(self, model) -> None:
         """cos, sin ``[C, D]`` of the model's rotary module for every cache position, in the compute dtype."""
