@@ -70,7 +70,9 @@ def _kernels():
 
 def _define() -> SimpleNamespace:
 
-    @triton.jit
+    # Arguments that vary from call to call (the row count, where a row-slice starts, a bucket's table strides)
+    # are not specialized on: a specialization compiles other code, which could reduce in another order.
+    @triton.jit(do_not_specialize=["x", "M"])
     def _linear_kernel(x, w, b, y, M, N, K, sxm, swn, sym,
                        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -95,7 +97,7 @@ def _define() -> SimpleNamespace:
         tl.store(y + rm[:, None] * sym + rn[None, :], acc.to(y.dtype.element_ty),
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["x", "y"])
     def _rms_kernel(x, w, y, N, eps, sx, sy, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         lanes = tl.arange(0, BLOCK)
@@ -111,7 +113,7 @@ def _define() -> SimpleNamespace:
             g = tl.load(w + k0 + lanes, mask=m, other=0.0).to(tl.float32)
             tl.store(y + row * sy + k0 + lanes, (g * h).to(y.dtype.element_ty), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["gu", "y"])
     def _silu_mul_kernel(gu, y, inter, sg, sy, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -121,7 +123,7 @@ def _define() -> SimpleNamespace:
         s = (g / (1.0 + tl.exp(-g))).to(y.dtype.element_ty).to(tl.float32)  # silu in the model's dtype, as HF
         tl.store(y + row * sy + cols, (s * u).to(y.dtype.element_ty), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["q", "o", "meta", "depth", "anc", "sab"])
     def _attention_kernel(q, kf, vf, o, meta, depth, anc, scale, G, D, sqb, sqh, skr, skh, sob, soh, sab,
                           BT: tl.constexpr, BD: tl.constexpr):
         row = tl.program_id(0)
