@@ -29,7 +29,7 @@ def model32():
     ("max_batch", 0), ("max_batch", 2.5), ("max_batch", True), ("max_queue", -1), ("prefill_chunk", 0),
     ("prefix_cache_mb", -1), ("prefix_cache_mb", math.nan), ("prefix_cache_mb", math.inf), ("prefix_cache_mb", "8"),
     ("worth_margin", -0.5), ("worth_margin", math.nan), ("worth_rows", 0), ("tree_room", -1),
-    ("weights_check_steps", 0), ("freeze_gc", 1), ("freeze_gc", None),
+    ("weights_check_steps", 0), ("freeze_gc", 1), ("freeze_gc", None), ("adapt_threads", "yes"),
 ])
 def test_bad_settings_raise_one_clear_error_naming_the_setting(field, value):
     with pytest.raises(GooseError, match=field):

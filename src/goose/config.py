@@ -390,6 +390,10 @@ class EngineConfig:
     # the engine starts, so no request waits for a method's preparation or cost curve. None: any method,
     # each prepared when a request first names it
     methods: tuple[str, ...] | None = None
+    # the step loop's forwards move to one thread while that is faster (other processes hold the cores: an
+    # OpenMP team then waits for descheduled threads at every parallel region) and back once it is not, as
+    # measured by a probe forward every few seconds (`goose.engine.threads`); False: torch's threads as set
+    adapt_threads: bool = True
 
     def __post_init__(self) -> None:
         if self.methods is not None:
@@ -418,8 +422,9 @@ class EngineConfig:
                 raise GooseError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         if not _is_int(self.tree_room) or self.tree_room < 0:
             raise GooseError(f"tree_room must be an integer >= 0, got {self.tree_room}")
-        if not isinstance(self.freeze_gc, bool):
-            raise GooseError(f"freeze_gc must be True or False, got {self.freeze_gc!r}")
+        for name in ("freeze_gc", "adapt_threads"):
+            if not isinstance(getattr(self, name), bool):
+                raise GooseError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def prefix_cache_bytes(self) -> int:

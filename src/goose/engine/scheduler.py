@@ -54,6 +54,7 @@ from .requests import (
     pick_forward,
 )
 from .step import DECODE, PREFILL, Slot, step
+from .threads import ThreadGovernor
 
 _END = object()  # end of a request's block queue
 log = logging.getLogger("goose.engine")
@@ -309,6 +310,8 @@ class Engine:
         self.failure: str | None = None  # why the step loop stopped for good (None: it runs, or was closed)
         # the suffix memories' sizes as the step loop last published them (`MemoryReport`; read from any thread)
         self.memory_report = MemoryReport(0, 0, 0, 0, ())
+        # the threads of the loop's forwards (one while that is faster: a contended CPU; `goose.engine.threads`)
+        self.governor = ThreadGovernor() if settings.adapt_threads else None
         self._memory_changed, self._reported_at = False, 0.0
         self._trimmed_at = time.monotonic()  # when the loop last handed free heap memory back (`trim_heap`)
         self.last_step_at: float | None = None  # time.monotonic() when the last step ended (None: none yet)
@@ -436,6 +439,9 @@ class Engine:
         except BaseException as exc:
             self._fail(exc)
             raise
+        finally:
+            if self.governor is not None and self.load() == (0, 0):
+                self.governor.release()  # nothing left to step: the caller's thread gets its thread count back
 
     def call(self, fn, timeout: float | None = None):
         """``fn()`` run where the engine's state is owned: on the step loop's thread between two steps while a
@@ -498,7 +504,14 @@ class Engine:
                     if not self.step() and req._blocks.empty():
                         raise GooseError(f"request {req.id} is not queued in this engine") from None
 
-        return req._until_end(step_until_block)
+        def blocks():
+            try:
+                yield from req._until_end(step_until_block)
+            finally:
+                if self.governor is not None:
+                    self.governor.release()  # the caller's thread gets its own thread count back
+
+        return blocks()
 
     def _callers_loop(self, call: str) -> None:
         """`call` (run() or step()) drives the loop from the caller: refused when the engine runs its own thread
@@ -615,7 +628,8 @@ class Engine:
         running = [r for r in running if not r.done]
         if running:
             try:
-                step(self.forward, [r.slot for r in running], self._cost, self.prefill_chunk, self.settings)
+                step(self.forward, [r.slot for r in running], self._cost, self.prefill_chunk, self.settings,
+                     self.governor)
             except Exception as exc:  # a failure of the step's shared work fails the requests in it
                 err = exc if isinstance(exc, GooseError) else RequestFailed(f"decoding failed: {exc!r}")
                 for r in running:

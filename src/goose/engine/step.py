@@ -38,6 +38,7 @@ from ..protocols import CostModel, Forward, KVCache, Segment
 from ..selection.selector import Candidates, allocate, decoding_cost
 from .sampling import Chooser
 from .stats import Stats
+from .threads import ThreadGovernor
 
 PREFILL, DECODE, DONE = "prefill", "decode", "done"
 DEFAULTS = EngineConfig()  # the settings of a step loop that is given none (a `Decoder`'s)
@@ -164,17 +165,18 @@ class _Clock:
 
 
 def step(forward: Forward, slots: list[Slot], cost: CostModel | None = None, prefill_budget: int | None = None,
-         settings: EngineConfig = DEFAULTS) -> None:
+         settings: EngineConfig = DEFAULTS, governor: ThreadGovernor | None = None) -> None:
     """Advance every slot that is not done by one forward (see the module docstring). `cost`: the batched
     cost curve (`costmodel.BatchCostCurve`) that `goose` slots' subtrees are chosen under; `prefill_budget`:
     prompt tokens all prefilling slots may add in this step (default: the first one's ``prefill_chunk``);
-    `settings`: the engine's (`EngineConfig`). After the call each slot's `new` holds the tokens it committed."""
+    `settings`: the engine's (`EngineConfig`); `governor`: the threads the forward runs on (`ThreadGovernor`;
+    None: torch's setting as it is). After the call each slot's `new` holds the tokens it committed."""
     with torch.inference_mode():
-        _step(forward, [s for s in slots if not s.done], cost, prefill_budget, settings)
+        _step(forward, [s for s in slots if not s.done], cost, prefill_budget, settings, governor)
 
 
 def _step(forward: Forward, slots: list[Slot], cost: CostModel | None, budget: int | None,
-          settings: EngineConfig) -> None:
+          settings: EngineConfig, governor: ThreadGovernor | None) -> None:
     for s in slots:
         s.new, s.new_sources = [], []
     decoding = [s for s in slots if s.state == DECODE]
@@ -193,7 +195,7 @@ def _step(forward: Forward, slots: list[Slot], cost: CostModel | None, budget: i
     clock("tensorize")
     if not tensors:
         return
-    outs = _forward(forward, [w for w, _ in tensors], [seg for _, seg in tensors])  # 4. forward
+    outs = _forward(forward, [w for w, _ in tensors], [seg for _, seg in tensors], governor)  # 4. forward
     for w, seg in tensors:
         w.hidden = seg.hidden
     clock("forward")
@@ -214,14 +216,21 @@ def _own(slot: Slot, stage: str, fn, *args):
         return None
 
 
-def _forward(forward: Forward, work: list[_Work], segments: list[Segment]) -> list[tuple[_Work, torch.Tensor]]:
+def _forward(forward: Forward, work: list[_Work], segments: list[Segment],
+             governor: ThreadGovernor | None = None) -> list[tuple[_Work, torch.Tensor]]:
     """(work, logits) of one forward over every segment. When the shared forward raises, the segments run
     again one by one, so only the request whose segment fails fails: those whose caches the failed call left
     untouched are retried (their rows do not depend on the others': every committed token stays the one it
     would have been), a request whose cache it already extended fails with the error."""
     lengths = [seg.cache.length for seg in segments]
     try:
-        return list(zip(work, forward.run(segments)))
+        if governor is None:
+            return list(zip(work, forward.run(segments)))
+        governor.before()
+        t0 = time.perf_counter()
+        outs = forward.run(segments)
+        governor.after(sum(len(seg.tokens) for seg in segments), time.perf_counter() - t0)
+        return list(zip(work, outs))
     except Exception as exc:
         if len(segments) == 1:
             work[0].slot.fail("the forward", exc)

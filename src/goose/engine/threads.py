@@ -1,0 +1,84 @@
+"""A fair share of a contended CPU: how many threads the step loop's forwards run on.
+
+goose's kernels and torch's run their parallel regions on one OpenMP team, whose threads wait for each other at
+the end of every region: a forward holds hundreds of them. On a quiet machine that costs nothing. When other
+processes take the cores, a team thread that was descheduled holds every region up until the scheduler runs it
+again, and a forward becomes tens of times slower (measured: `ar` fell from 128 to 8 tokens/s on 2 cores beside
+2 busy processes) while one thread alone would only lose its share.
+
+`ThreadGovernor` measures instead of guessing: the loop runs its forwards on all threads (`torch`'s count when
+the governor was made), and every `PROBE_S` seconds it runs one forward on the other setting (one thread, or all
+of them again) as a probe. A probe faster than `SWITCH` times the median of the current setting's recent
+forwards of the same size (rows, in powers of two) switches the setting. On a quiet machine the probes cost one
+forward in a few hundred; on a busy one the loop moves to one thread within a few seconds and back once the
+machine is quiet. Tokens never depend on it: every row's arithmetic is the same on any number of threads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+PROBE_S = 2.0  # seconds between probes of the other thread setting
+SWITCH = 0.8  # a probe this fraction of the current setting's median time (or less) switches
+RECENT = 8  # forwards per (setting, size) whose median the probe is compared with
+
+
+def _bucket(rows: int) -> int:
+    return 1 << max(0, int(rows) - 1).bit_length()
+
+
+class ThreadGovernor:
+    """One step loop's thread setting (see the module docstring). Used on the loop's thread only: `before`
+    sets the thread count for the next forward, `after(rows, seconds)` records it; `release` gives the calling
+    thread its full count back (when the loop stops stepping on a caller's thread)."""
+
+    def __init__(self, threads: int | None = None, probe_s: float = PROBE_S, clock=time.monotonic) -> None:
+        self.clock = clock
+        self.full = int(threads or torch.get_num_threads())
+        self.threads = self.full  # the current setting
+        self.probe_s = probe_s
+        self.switches = 0
+        self._recent: dict[tuple[int, int], deque] = {}
+        self._last_probe = clock()
+        self._probing = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.full > 1
+
+    def before(self) -> None:
+        """Set the threads of the next forward: the current setting, or the other one when a probe is due."""
+        if not self.enabled:
+            return
+        self._probing = self.clock() - self._last_probe >= self.probe_s
+        want = self.other if self._probing else self.threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+
+    def after(self, rows: int, seconds: float) -> None:
+        """Record the forward just run (`rows` query rows in all, `seconds` long); a probe may switch."""
+        if not self.enabled:
+            return
+        size = _bucket(rows)
+        if not self._probing:
+            self._recent.setdefault((self.threads, size), deque(maxlen=RECENT)).append(seconds)
+            return
+        self._last_probe = self.clock()
+        self._probing = False
+        mine = self._recent.get((self.threads, size))
+        self._recent.setdefault((self.other, size), deque(maxlen=RECENT)).append(seconds)
+        if mine and seconds <= SWITCH * sorted(mine)[len(mine) // 2]:
+            self.threads = self.other
+            self.switches += 1
+
+    def release(self) -> None:
+        """Give the calling thread its full thread count back (the setting is kept for the next forward)."""
+        if self.enabled and torch.get_num_threads() != self.full:
+            torch.set_num_threads(self.full)
+
+    @property
+    def other(self) -> int:
+        return 1 if self.threads == self.full else self.full

@@ -1,0 +1,88 @@
+"""A fair share of a contended CPU (`goose.engine.threads.ThreadGovernor`): the step loop moves its forwards to
+one thread when a probe shows that faster, back when all threads are faster again, never on a quiet machine's
+noise; the thread count torch runs on follows it, and the caller's count comes back; outputs never change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import greedy_memo, make_tiny_llama
+from goose import Engine
+from goose.config import EngineConfig
+from goose.engine.threads import PROBE_S, ThreadGovernor
+
+DT = 2.0 ** -7  # seconds between forwards (exact in binary: probes fall on exact steps)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(gov: ThreadGovernor, clock: Clock, seconds_at, steps: int, rows: int = 4) -> list[int]:
+    """`steps` forwards taking ``seconds_at(threads)``, one every DT s; the thread count of each."""
+    used = []
+    for _ in range(steps):
+        gov.before()
+        used.append(torch.get_num_threads())
+        gov.after(rows, seconds_at(torch.get_num_threads()))
+        clock.now += DT
+    return used
+
+
+@pytest.fixture()
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_quiet_contended_quiet(threads):
+    clock = Clock()
+    gov = ThreadGovernor(threads=2, clock=clock)
+    quiet = {2: 0.010, 1: 0.016}  # one thread: 1.6x slower
+    used = run(gov, clock, quiet.get, 1280)  # 10 s quiet: a probe on one thread every 2 s, never kept
+    assert gov.threads == 2 and gov.switches == 0 and used.count(1) == int(1279 * DT / PROBE_S)
+    busy = {2: 0.200, 1: 0.030}  # two busy processes: the team waits for descheduled threads
+    used = run(gov, clock, busy.get, 600)
+    assert gov.threads == 1 and gov.switches == 1 and used.index(1) <= PROBE_S / DT + 1
+    assert used[-50:].count(2) <= 1  # on one thread from then on (but for a probe)
+    used = run(gov, clock, quiet.get, 600)  # quiet again: back to all threads at the next probe
+    assert gov.threads == 2 and gov.switches == 2 and used[-50:].count(1) <= 1
+    torch.set_num_threads(1)
+    gov.release()
+    assert torch.get_num_threads() == 2
+
+
+def test_noise_within_the_margin_never_switches(threads):
+    clock = Clock()
+    gov = ThreadGovernor(threads=2, clock=clock)
+    times = iter([0.010, 0.013, 0.009, 0.012] * 500)
+    run(gov, clock, lambda n: next(times) * (1.2 if n == 1 else 1.0), 2000)  # one thread 1.2x: within SWITCH
+    assert gov.switches == 0 and gov.threads == 2
+
+
+def test_one_thread_machines_are_left_alone(threads):
+    torch.set_num_threads(1)
+    gov = ThreadGovernor(clock=Clock())
+    assert not gov.enabled
+    gov.before()
+    gov.after(1, 1.0)
+    assert torch.get_num_threads() == 1 and gov.threads == 1
+
+
+def test_an_engine_on_one_thread_gives_the_same_tokens_and_the_callers_threads_back(threads):
+    model = make_tiny_llama(torch.float32, seed=11)
+    torch.set_num_threads(2)
+    prompt = [5, 9, 17, 33, 60, 5, 9, 17, 33]
+    with Engine(model, None, "goose", engine_config=EngineConfig(max_batch=1), thread=False) as eng:
+        eng.governor.threads = 1  # as after a switch: every forward on one thread
+        eng.governor.probe_s = float("inf")
+        req = eng.submit(prompt, 30)
+        out = [t for block in eng.drive(req) for t in block]
+    assert out == greedy_memo(model, prompt, 30) and torch.get_num_threads() == 2
+    assert EngineConfig(adapt_threads=False).adapt_threads is False
