@@ -172,8 +172,10 @@ def mode_forwards(model, device: torch.device, modes: list[str], max_len: int, g
 
 def cost_curves(check: Check, model, forwards: dict) -> dict:
     """Each forward's cost curve through goose's measurement (the one `goose` sizes its trees with)."""
+    import tempfile
+
     res = {}
-    folder = check.out / "curves"
+    folder = Path(tempfile.mkdtemp(prefix="goose-gpu-curves-"))  # (the curves are in the JSON; few files come back)
     for name, fwd in forwards.items():
         if check.left() < 30:
             check.note(f"curves: no time left for {name}")
@@ -466,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                     "bf16,fixed,fp32 on CUDA; fp32,fixed on CPU, where bfloat16 is slow)")
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--synthetic-layers", default="2,4", help="the two depths of the 8B-shaped models")
+    ap.add_argument("--synthetic-from", type=Path, help="an earlier run's gpu_check.json whose synthetic section the "
+                    "projection uses (when this run has no synthetic section)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop starting sections past this")
     ap.add_argument("--max-len", type=int, default=0, help="cache entries per sequence (0: from the prompts)")
     ap.add_argument("--fixed-no-dot", action="store_true", help="the fixed mode's matmul without tl.dot (if the "
@@ -554,7 +558,16 @@ def main(argv: list[str] | None = None) -> int:
     if "synthetic" in sections:
         layers = tuple(int(x) for x in args.synthetic_layers.split(","))
         sec["synthetic"] = guarded("synthetic", lambda: synthetic(check, device, args.tiny, layers))
-        if sec.get("specbench") and sec.get("synthetic"):
+    elif args.synthetic_from is not None:
+        sec["synthetic"] = guarded("synthetic-from", lambda: json.loads(args.synthetic_from.read_text())["sections"][
+            "synthetic"])
+    if sec.get("synthetic"):
+        sec["synthetic"]["measured"] = {int(k): {int(n): v for n, v in c.items()}
+                                        for k, c in sec["synthetic"]["measured"].items()}
+        if "projected_32_layers_ms" in sec["synthetic"]:
+            sec["synthetic"]["projected_32_layers_ms"] = {int(n): v for n, v in
+                                                          sec["synthetic"]["projected_32_layers_ms"].items()}
+        if sec.get("specbench"):
             real = (sec.get("curves") or {}).get(modes[0], {}).get("ms")
             sec["projection"] = guarded("projection", lambda: project(sec["specbench"], sec["synthetic"], real))
     sec["targets"] = targets(sec)
