@@ -157,7 +157,8 @@ def test_serve_passes_its_engine_settings_as_one_engine_config(monkeypatch):
     assert main(["serve", "--model", "smollm2-135m", "--max-tenants", "7", "--memory-mb", "3", "--max-batch", "2",
                  "--prefix-cache-mb", "5"]) == 0
     cfg = seen["args"][4]
-    assert cfg == EngineConfig(max_batch=2, max_queue=64, prefix_cache_mb=5, memory_mb=3, max_tenants=7)
+    assert cfg == EngineConfig(max_batch=2, max_queue=64, prefix_cache_mb=5, memory_mb=3, max_tenants=7,
+                               methods=("goose", "pld", "goose-nohead"))
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--max-tenants", "0"])
     assert exc.value.code == 2
