@@ -189,6 +189,69 @@ def test_logits_match_hf_forward_on_prompts_and_trees(mode):
         torch.testing.assert_close(last, hf([3, 4, 5])[-2:], rtol=1e-5, atol=1e-5)
 
 
+def _family(kind: str):
+    """A tiny random model of each supported family: llama with attention and MLP biases, qwen2 (q/k/v bias), qwen3
+    (per-head q/k norms)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(7)
+    if kind == "llama-bias":
+        model = LlamaForCausalLM(LlamaConfig(attention_bias=True, mlp_bias=True, **shape))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **shape))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # (biases and norms away from their zeros and ones)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["llama-bias", "qwen2", "qwen3"])
+@pytest.mark.parametrize("mode", ["fp32", "fixed"])
+def test_each_supported_family_matches_hf_forward(kind, mode):
+    model = _family(kind)
+    hf, fwd = HFForward(model, kernel=False), GPUForward(model, device="cpu", mode=mode, max_len=64, slots=2)
+    rng = random.Random(2)
+    with torch.inference_mode():
+        hf.reset()
+        fwd.reset()
+        prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(9)]
+        torch.testing.assert_close(fwd(prompt), hf(prompt), rtol=1e-5, atol=1e-5)
+        tree = random_tree(rng, 7)
+        torch.testing.assert_close(fwd(*tree_args(tree)), hf(*tree_args(tree)), rtol=1e-5, atol=1e-5)
+
+
+def test_goose_panels_are_read_back_as_plain_weights():
+    """A model held as goose's float32 panels (`load_model`'s default on CPU) gives the same logits."""
+    from goose.backends import cpukernel
+    from goose.backends.packed import pack_float32
+
+    if cpukernel.kernel() is None:
+        pytest.skip("goose's CPU kernel does not run here")
+    plain = make_tiny_llama(dtype=torch.float32, seed=3)
+    packed = make_tiny_llama(dtype=torch.float32, seed=3)
+    pack_float32(packed, cpukernel.kernel())
+    a, b = (GPUForward(m, device="cpu", max_len=32, slots=2) for m in (plain, packed))
+    for f in (a, b):
+        f.reset()
+    assert torch.equal(a([4, 5, 6, 7]), b([4, 5, 6, 7]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 200), p=st.integers(0, 300), cap=st.integers(1, 400))
+def test_bucket_choice_property(n, p, cap):
+    runner = GraphRunner(lambda s: (), StandInGraph, torch.device("cpu"))
+    runner.graphs = {b: None for b in BUCKETS}
+    b = runner.bucket(n, p, cap)
+    if n > 128 or p + bucket_for(n) > cap:
+        assert b is None
+    else:
+        assert b >= n and b in BUCKETS and (b == 1 or b // 2 < n)
+
+
 def test_features_are_the_final_norms_output():
     model = model32()
     fwd = GPUForward(model, device="cpu", max_len=64, slots=2)
