@@ -285,3 +285,24 @@ def test_cli_generate_arith_int8_on_the_packaged_model_is_lossless():
     assert exact["lossless"] is True
     r = _goose("profile", "--arith", "int8", "--plot", "")
     assert r.returncode == 0 and "+int8-" in r.stdout, r.stderr
+
+
+def test_auto_is_int8_exactly_where_the_integer_kernels_run_gguf_blocks(tmp_path):
+    """``--arith auto`` (the command line's default): int8 for a GGUF source kept as blocks on the CPU where the
+    integer kernels run, exact for float32 weights, other devices or dtypes and Hugging Face folders; the
+    command line records the arithmetic that ran."""
+    import argparse
+
+    from goose.cliargs import add_model_args, cli_arith
+    from goose.loading.model import resolve_arith
+
+    here = "int8" if int8.unavailable_reason() is None else "exact"
+    assert resolve_arith("auto", "smollm2-135m") == here
+    assert resolve_arith("auto", "smollm2-135m", weights="float32") == "exact"
+    assert resolve_arith("auto", "smollm2-135m", dtype="bfloat16") == "exact"
+    assert resolve_arith("auto", str(tmp_path)) == "exact"  # a folder: float32 weights
+    assert resolve_arith("exact", "smollm2-135m") == "exact" and resolve_arith("int8", str(tmp_path)) == "int8"
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    args = p.parse_args([])
+    assert args.arith == "auto" and cli_arith(args) == here and args.arith == here

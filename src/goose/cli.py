@@ -19,6 +19,7 @@ from .cliargs import (
     add_head_arg,
     add_model_args,
     add_sampling_args,
+    cli_arith,
     first_mismatch,  # noqa: F401  (re-exported)
     goose_config,
     method_name,
@@ -76,7 +77,7 @@ def cmd_generate(args) -> int:
     if args.stream and args.verify:
         raise GooseError("--verify compares the finished tokens with ar; it cannot be combined with --stream")
     options = sampling_options(args)
-    model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=args.arith)
+    model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=cli_arith(args))
     from .decoding import Decoder  # (after the load: a first run compiles kernels while transformers imports)
 
     dec = Decoder(model, tok, args.method, goose_config(args))
@@ -133,7 +134,7 @@ def cmd_profile(args) -> int:
     from .engine.measure import batch_counts, load_or_measure
     from .loading.model import load_model
 
-    model, _ = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=args.arith)
+    model, _ = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=cli_arith(args))
     fwd = default_forward(model)
     curve = load_or_measure(model, fwd, remeasure=args.remeasure)
     batches = [(b, load_or_measure(model, fwd, remeasure=args.remeasure, sequences=b))

@@ -21,11 +21,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF sources: gguf = multiply with the file's quantized blocks (same weights, "
                         "bit-identical logits, ~1/5 of the memory); float32 = the dequantized weights "
                         "(default: gguf where it applies)")
-    p.add_argument("--arith", choices=ARITHS, default="exact",
-                   help="exact (default) = float32 products of the weights' values, identical to Hugging Face's "
-                        "float32 model; int8 = 8-bit activations times the GGUF blocks in integers (needs "
-                        "--weights gguf; float32 weights are refused, never quantized). Either is lossless "
-                        "against plain greedy decoding in the same arithmetic")
+    p.add_argument("--arith", choices=(*ARITHS, "auto"), default="auto",
+                   help="auto (default) = int8 where goose's integer kernels run the model's GGUF blocks (the "
+                        "packaged models on an x86-64 CPU with AVX2), else exact; exact = float32 products of the "
+                        "weights' values: the tokens of Hugging Face's float32 generate; int8 = 8-bit activations "
+                        "times the GGUF blocks in integers (faster on every CPU measured; its tokens may differ "
+                        "from float32's). Either is lossless against plain greedy decoding in the same arithmetic")
 
 
 def add_head_arg(p: argparse.ArgumentParser) -> None:
@@ -62,6 +63,15 @@ def int_in(low: int, high: int | None = None):
 
 
 positive_int = int_in(1)
+
+
+def cli_arith(args) -> str:
+    """The command's ``--arith`` as it will run ("auto" resolved before the model loads: `resolve_arith`), kept
+    in `args` so that what a run records is what ran."""
+    from .loading.model import resolve_arith
+
+    args.arith = resolve_arith(args.arith, args.model, getattr(args, "weights", None), args.device, args.dtype)
+    return args.arith
 
 
 def method_name(text: str) -> str:

@@ -350,6 +350,7 @@ def register(sub) -> None:
 def cmd_train_head(args) -> int:
     import sys
 
+    from .cliargs import cli_arith
     from .engine.requests import default_forward
     from .loading.model import load_model
 
@@ -360,7 +361,7 @@ def cmd_train_head(args) -> int:
                       held_out=(d.held_out[0], d.held_out[0] + min(args.held_out, d.first - d.held_out[0])),
                       max_tokens=args.max_tokens, draft_vocab=args.draft_vocab, window=args.window,
                       batch=args.batch, epochs=args.epochs, unroll=args.unroll, seed=args.seed)
-    model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=args.arith)
+    model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=cli_arith(args))
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out / "work"
     manifest = train_head(model, tok, default_forward(model, args.arith), out, work, cfg,

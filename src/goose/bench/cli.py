@@ -14,6 +14,7 @@ from ..cliargs import (
     add_head_arg,
     add_model_args,
     add_sampling_args,
+    cli_arith,
     goose_config,
     positive_int,
     prefix_cache_mb,
@@ -65,7 +66,7 @@ def run_bench(args, questions: list, dataset: str, argv: list[str], replace: boo
     if args.threads is not None:
         torch.set_num_threads(args.threads)  # recorded in run.json as "threads"
     pinned = {"model": model_key(args.model), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-              "chat": args.chat, "sampling": sampling_options(args) or None, "arith": args.arith,
+              "chat": args.chat, "sampling": sampling_options(args) or None, "arith": cli_arith(args),
               "threads": torch.get_num_threads(),
               "device": str(resolve_device(args.device)), "software": store.software()}
     old = store.read_meta(out) if out.is_dir() else None
@@ -87,7 +88,7 @@ def run_bench(args, questions: list, dataset: str, argv: list[str], replace: boo
     settings = method_settings(methods)  # a missing datastore fails here, before the model load
     t0 = time.perf_counter()
     model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None),
-                            arith=args.arith)
+                            arith=cli_arith(args))
     # Hugging Face's methods run on their own copy: float32 in transformers' modules and kernels
     baseline = load_baseline(args.model, args.dtype, args.device)[0] if any(m in HF_METHODS for m in methods) \
         else None
@@ -135,6 +136,8 @@ def render_dir(out: Path) -> Path:
 def cmd_bench(args) -> int:
     if args.with_decoder and args.engine != "vllm":
         raise GooseError("--with-decoder runs goose's Decoder beside vLLM: it needs --engine vllm")
+    if args.engine == "vllm" and args.arith == "auto":
+        args.arith = "exact"  # (vLLM's engine runs its own arithmetic)
     if args.engine == "vllm" and args.arith != "exact":
         raise GooseError("--arith int8 is goose's own arithmetic; vLLM's engine runs its own (drop --arith or "
                          "--engine vllm)")
@@ -172,7 +175,7 @@ def run_concurrency(args, questions: list) -> int:
         torch.set_num_threads(args.threads)
     methods = list(dict.fromkeys(args.methods + ["ar"]))  # in the order given (ar last unless named)
     model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None),
-                            arith=args.arith)
+                            arith=cli_arith(args))
     path = run(model, tok, questions, methods, args.max_new_tokens, args.concurrency or 1, args.rate, args.chat,
                Path(args.out), sampling_options(args), prefix_cache_mb=args.prefix_cache_mb)
     print(f"\nreport: {path}")

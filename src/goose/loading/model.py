@@ -212,12 +212,30 @@ def gguf_source(model: str) -> Path | None:
     return path.resolve() if path.suffix == ".gguf" and path.is_file() else None
 
 
+def resolve_arith(arith: str, model: str, weights: str | None = None, device: str | None = "cpu",
+                  dtype: str = "float32") -> str:
+    """`arith` as `load_model` will run it, known before the load: "auto" is "int8" for a GGUF source kept as
+    blocks (`gguf_source`; not ``weights="float32"``) in float32 on the CPU where goose's integer kernels run,
+    else "exact" (an architecture goose's forward does not run is found only by the load: `load_model`'s
+    "auto" then falls back to exact); "exact" and "int8" as they are."""
+    if arith != "auto":
+        return arith
+    from ..backends import int8
+
+    if (weights == "float32" or resolve_device(device).type != "cpu" or resolve_dtype(dtype) != torch.float32
+            or gguf_source(model) is None):
+        return "exact"
+    return "int8" if int8.unavailable_reason() is None else "exact"
+
+
 def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = "cpu",
                attn_implementation: str = "sdpa", weights: str | None = None, pack: bool = True,
                arith: str = "exact"):
     """Returns ``(model, tokenizer)`` ready for goose, in eval mode.
 
     `arith`: the arithmetic goose's forwards compute in for this model, recorded for it (`model_arith`;
+    "auto": "int8" where goose's integer kernels run this model's GGUF blocks on the CPU, else "exact" (the
+    command line's default: int8 was the faster on every CPU measured, docs/performance.md);
     `Decoder`, `Engine` and `goose serve` use it unless told otherwise). "exact" (default): float32 products
     of the weights' values, bit-identical to Hugging Face's float32 model. "int8": each row's activations are
     quantized to 8 bits in blocks of 32 and multiplied with the GGUF blocks in integers (`goose.backends.int8`);
@@ -244,8 +262,8 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
         if attn_implementation not in SUPPORTED_ATTENTION:
             raise GooseError(f"attention implementation '{attn_implementation}' ignores custom tree masks; "
                              f"use one of {', '.join(SUPPORTED_ATTENTION)}")
-        if arith not in ARITHS:
-            raise GooseError(f"unknown arith '{arith}'; choose one of: {', '.join(ARITHS)}")
+        if arith not in (*ARITHS, "auto"):
+            raise GooseError(f"unknown arith '{arith}'; choose one of: {', '.join((*ARITHS, 'auto'))}")
         if arith == "int8" and weights == "float32":
             raise GooseError(_INT8_NEEDS_BLOCKS)
         net, tok = _load(model, dt, dev, attn_implementation, weights, pack)
@@ -255,7 +273,9 @@ def load_model(model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
     net.to(dev).eval()
     if pack:
         _pack_rest(net)
-    if arith != "exact":
+    if arith == "auto":  # int8 where goose's integer kernels run this model's GGUF blocks, else exact
+        arith = "int8" if dev.type == "cpu" and _int8_unready(net) is None else "exact"
+    elif arith != "exact":
         why = _int8_unready(net)
         if why is not None:
             raise GooseError(why)

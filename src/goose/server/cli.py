@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from ..cliargs import add_head_arg, add_model_args, goose_config, int_in, method_name, positive_int, prefix_cache_mb
+from ..cliargs import (
+    add_head_arg,
+    add_model_args,
+    cli_arith,
+    goose_config,
+    int_in,
+    method_name,
+    positive_int,
+    prefix_cache_mb,
+)
 from ..config import DEFAULT_MAX_TENANTS, DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB, DEFAULT_SNAPSHOT_S, EngineConfig
 from ..config import DEFAULT_STALL_S as STALL_S
 from .keys import MAX_KEY_CHARS, MAX_KEY_LINES, MAX_TENANT_CHARS, read_key_file
@@ -95,7 +104,7 @@ def cmd_serve(args) -> int:
     return serve(args.model, args.method, args.host, args.port, engine, api_key, args.dtype, args.device,
                  served_name=args.served_model_name, drain_timeout=args.drain_timeout,
                  max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
-                 weights=getattr(args, "weights", None), arith=args.arith, metrics_key=metrics_key,
+                 weights=getattr(args, "weights", None), arith=cli_arith(args), metrics_key=metrics_key,
                  allowed_hosts=hosts, max_restarts=args.max_restarts, api_keys=keys,
                  hide_sources=args.hide_draft_sources, stall_s=args.stall_timeout, config=goose_config(args),
                  memory_snapshot=args.memory_snapshot, snapshot_interval_s=args.snapshot_interval)
