@@ -575,3 +575,24 @@ def test_cuda_graph_replay_equals_eager_in_the_exact_mode():
         eager.keep(path)
     assert graphed.runner.replays == 4
 
+
+
+def test_a_cuda_models_default_forward_is_one_gpu_forward_per_model():
+    """`default_forward` on a CUDA model goes through `_gpu_forward` (exercised here on the CPU, where
+    GPUForward runs in fp32): one forward per model, rebuilt when the weights change; int8 refused; an
+    architecture GPUForward does not run gets Hugging Face's forward."""
+    from goose.engine import requests
+
+    model = make_tiny_llama(torch.float32, seed=4)
+    fwd = requests._gpu_forward(model, "exact")
+    assert isinstance(fwd, GPUForward) and requests._gpu_forward(model, "exact") is fwd
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    assert fwd.stale() and requests._gpu_forward(model, "exact") is not fwd
+    with pytest.raises(GooseError, match="CPU arithmetic"):
+        requests._gpu_forward(model, "int8")
+    model.config.model_type = "gemma3"
+    try:
+        assert isinstance(requests._gpu_forward(model, "exact"), HFForward)
+    finally:
+        model.config.model_type = "llama"

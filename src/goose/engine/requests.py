@@ -60,8 +60,9 @@ def check_arith(arith: str) -> str:
 
 
 def default_forward(model, arith: str | None = None):
-    """The fast Llama-family forward where it applies, else the generic Hugging Face one, in arithmetic
-    `arith` ("exact" or "int8"; None: the model's own, `model_arith`). "int8" runs only on the Llama-family
+    """The fast Llama-family forward where it applies (on a CUDA model: `GPUForward`, see `_gpu_forward`), else
+    the generic Hugging Face one, in arithmetic `arith` ("exact" or "int8"; None: the model's own,
+    `model_arith`). "int8" runs only on the Llama-family
     forward over GGUF blocks: anything else is refused (float32 weights are never quantized here).
 
     A LeanForward's packed weight copies are made once per (model, arith) and shared by every Decoder and
@@ -70,6 +71,8 @@ def default_forward(model, arith: str | None = None):
     other's state. When the model's weights changed since they were packed (`forward.stale()`), a new
     forward is built: nothing decodes with old weights."""
     arith = check_arith(model_arith(model) if arith is None else arith)
+    if next(model.parameters()).device.type == "cuda":
+        return _gpu_forward(model, arith)
     reason = lean_unsupported_reason(model)
     if reason is not None:
         if arith != "exact":
@@ -80,6 +83,25 @@ def default_forward(model, arith: str | None = None):
     fwd = forwards.get(arith)
     if fwd is None or fwd.stale():
         fwd = forwards[arith] = LeanForward(model, arith=arith)
+    return fwd
+
+
+def _gpu_forward(model, arith: str):
+    """A CUDA model's default forward: goose's `GPUForward` in bfloat16 with CUDA graphs (docs/gpu.md: its
+    modes and what each guarantees; pass ``forward=GPUForward(model, mode="fixed")`` for the mode whose rows
+    do not depend on the forward's size), one per model, rebuilt when the weights change; Hugging Face's
+    forward for an architecture it does not run."""
+    from ..backends.cuda import GPUForward, unsupported_reason
+
+    if arith != "exact":
+        raise GooseError(f'arith="{arith}" is goose\'s CPU arithmetic; on a GPU the forward\'s mode chooses it '
+                         f'(docs/gpu.md)')
+    if unsupported_reason(model) is not None:
+        return HFForward(model)  # (another architecture: Hugging Face's own forward, as on the CPU)
+    forwards = _SHARED.setdefault(model, {})
+    fwd = forwards.get("gpu")
+    if fwd is None or fwd.stale():
+        fwd = forwards["gpu"] = GPUForward(model)
     return fwd
 
 

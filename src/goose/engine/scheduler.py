@@ -311,7 +311,8 @@ class Engine:
         # the suffix memories' sizes as the step loop last published them (`MemoryReport`; read from any thread)
         self.memory_report = MemoryReport(0, 0, 0, 0, ())
         # the threads of the loop's forwards (one while that is faster: a contended CPU; `goose.engine.threads`)
-        self.governor = ThreadGovernor() if settings.adapt_threads else None
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.governor = ThreadGovernor() if settings.adapt_threads and on_cpu else None
         self._memory_changed, self._reported_at = False, 0.0
         self._trimmed_at = time.monotonic()  # when the loop last handed free heap memory back (`trim_heap`)
         self.last_step_at: float | None = None  # time.monotonic() when the last step ended (None: none yet)
