@@ -71,19 +71,24 @@ class Forward(Protocol):
         """Logits per segment, ``[n, vocab]`` (the last `keep_last` rows where given)."""
         ...
 
+    cache: KVCache  # the forward's own cache: the single-sequence API's (reset / __call__ / keep / length)
+
     def reset(self) -> None:
-        ...
+        self.cache.reset()
 
     @property
     def length(self) -> int:
-        ...
+        return self.cache.length
 
     def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
                  allowed: torch.Tensor | None = None, keep_last: int | None = None) -> torch.Tensor:
-        ...
+        """Logits ``[n, vocab]`` for `tokens` appended after the forward's own cache (a causal run, or a tree
+        with `allowed` ``[n, n]`` and `depths` ``[n]``); only the last `keep_last` rows (>= 1) when given."""
+        return self.run([Segment(self.cache, tokens, depths, allowed, keep_last)])[0]
 
     def keep(self, path: list[int]) -> None:
-        ...
+        """Keep the prefix and the nodes `path` of the last call (in that order); drop the rest."""
+        self.cache.keep(path)
 
     def stale(self) -> bool:
         """True when the model's weights changed since this forward copied or packed them. Default: False (a

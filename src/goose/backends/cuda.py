@@ -407,20 +407,6 @@ class GPUForward(Forward):
         weakref.finalize(cache, self._free.append, slot)
         return cache
 
-    def reset(self) -> None:
-        self.cache.reset()
-
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
-    def keep(self, path: list[int]) -> None:
-        self.cache.keep(path)
-
-    def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
-                 allowed: torch.Tensor | None = None, keep_last: int | None = None) -> torch.Tensor:
-        return self.run([Segment(self.cache, tokens, depths, allowed, keep_last)])[0]
-
     # ---- forward -----------------------------------------------------------------------------------------------
     @contextmanager
     def _numerics(self):

@@ -187,13 +187,6 @@ class HFForward(Forward):
         """True when the model's weights changed since this forward was built (its packed copies are old)."""
         return self.linears is not None and weights_fingerprint(self.model) != self.fingerprint
 
-    def reset(self) -> None:
-        self.cache.reset()
-
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
     def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
                  allowed: torch.Tensor | None = None, keep_last: int | None = None) -> torch.Tensor:
         """Logits ``[n, vocab]`` for `tokens` appended after the cache; only the last `keep_last` rows
@@ -258,10 +251,6 @@ class HFForward(Forward):
         if SLIDING in self.kinds:
             masks[SLIDING] = additive_mask(allowed, p, self.dtype, self.device, depths, self.window)
         return masks if len(masks) > 1 else next(iter(masks.values()))
-
-    def keep(self, path: list[int]) -> None:
-        """Keep the prefix and the nodes `path` of the last call (in that order); drop the rest."""
-        self.cache.keep(path)
 
 
 class HFCache(KVCache):

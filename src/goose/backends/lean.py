@@ -438,24 +438,7 @@ class LeanForward(Forward):
         model = self._model()
         return model is None or weights_fingerprint(model) != self.fingerprint
 
-    def reset(self) -> None:
-        self.cache.reset()
-
-    @property
-    def length(self) -> int:
-        return self.cache.length
-
-    def keep(self, path: list[int]) -> None:
-        """Keep the prefix and the nodes `path` of the last call (in that order); drop the rest."""
-        self.cache.keep(path)
-
     # ---- forward -----------------------------------------------------------------------------------
-    def __call__(self, tokens: list[int], depths: torch.Tensor | None = None,
-                 allowed: torch.Tensor | None = None, keep_last: int | None = None) -> torch.Tensor:
-        """Logits ``[n, vocab]`` for `tokens` appended after the cache (a causal run, or a tree); only the
-        last `keep_last` rows (>= 1) when given."""
-        return self.run([Segment(self.cache, tokens, depths, allowed, keep_last)])[0]
-
     @torch.inference_mode()
     def run(self, segments: list[Segment]) -> list[torch.Tensor]:
         """One forward over several sequences, each appending its tokens to its own cache: the weight
