@@ -10,7 +10,7 @@ import torch
 from conftest import greedy_memo, make_tiny_llama
 from goose import Engine
 from goose.config import EngineConfig
-from goose.engine.threads import PROBE_S, ThreadGovernor
+from goose.engine.threads import FIRST_PROBE_S, PROBE_S, ThreadGovernor
 
 DT = 2.0 ** -7  # seconds between forwards (exact in binary: probes fall on exact steps)
 
@@ -35,7 +35,8 @@ def run(gov: ThreadGovernor, clock: Clock, seconds_at, steps: int, rows: int = 4
 
 
 @pytest.fixture()
-def threads():
+def threads(monkeypatch):
+    monkeypatch.setattr(ThreadGovernor, "_chosen", (0, float("-inf")))  # no hint from another test's governor
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
@@ -45,8 +46,8 @@ def test_quiet_contended_quiet(threads):
     clock = Clock()
     gov = ThreadGovernor(threads=2, clock=clock)
     quiet = {2: 0.010, 1: 0.016}  # one thread: 1.6x slower
-    used = run(gov, clock, quiet.get, 1280)  # 10 s quiet: a probe on one thread every 2 s, never kept
-    assert gov.threads == 2 and gov.switches == 0 and used.count(1) == int(1279 * DT / PROBE_S)
+    used = run(gov, clock, quiet.get, 1280)  # 10 s quiet: a probe on one thread at 0.25 s, then every 2 s
+    assert gov.threads == 2 and gov.switches == 0 and used.count(1) == 1 + int((1279 * DT - FIRST_PROBE_S) / PROBE_S)
     busy = {2: 0.200, 1: 0.030}  # two busy processes: the team waits for descheduled threads
     used = run(gov, clock, busy.get, 600)
     assert gov.threads == 1 and gov.switches == 1 and used.index(1) <= PROBE_S / DT + 1
@@ -56,6 +57,14 @@ def test_quiet_contended_quiet(threads):
     torch.set_num_threads(1)
     gov.release()
     assert torch.get_num_threads() == 2
+    later = ThreadGovernor(threads=2, clock=clock)  # a new engine's governor starts where this one is
+    assert later.threads == 2
+    gov.threads = 1
+    gov.before()
+    gov.after(4, 0.03)
+    assert ThreadGovernor(threads=2, clock=clock).threads == 1
+    clock.now += 31  # too long ago: all threads again
+    assert ThreadGovernor(threads=2, clock=clock).threads == 2
 
 
 def test_noise_within_the_margin_never_switches(threads):

@@ -7,11 +7,13 @@ again, and a forward becomes tens of times slower (measured: `ar` fell from 128 
 2 busy processes) while one thread alone would only lose its share.
 
 `ThreadGovernor` measures instead of guessing: the loop runs its forwards on all threads (`torch`'s count when
-the governor was made), and every `PROBE_S` seconds it runs one forward on the other setting (one thread, or all
-of them again) as a probe. A probe faster than `SWITCH` times the median of the current setting's recent
-forwards of the same size (rows, in powers of two) switches the setting. On a quiet machine the probes cost one
-forward in a few hundred; on a busy one the loop moves to one thread within a few seconds and back once the
-machine is quiet. Tokens never depend on it: every row's arithmetic is the same on any number of threads.
+the governor was made, or the setting another governor of the process chose in the last `REMEMBER_S` seconds: a
+process-wide hint that shapes speed only), and `FIRST_PROBE_S` seconds after it starts, then every `PROBE_S`
+seconds, it runs one forward on the other setting (one thread, or all of them again) as a probe. A probe faster
+than `SWITCH` times the median of the current setting's recent forwards of the same size (rows, in powers of
+two) switches the setting. On a quiet machine the probes cost one forward in a few hundred; on a busy one the
+loop moves to one thread within a fraction of a second and back once the machine is quiet. Tokens never depend
+on it: every row's arithmetic is the same on any number of threads.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from collections import deque
 import torch
 
 PROBE_S = 2.0  # seconds between probes of the other thread setting
+FIRST_PROBE_S = 0.25  # a new governor's first probe comes this soon (a busy machine is found at once)
+REMEMBER_S = 30.0  # a new governor starts on the setting another one in this process chose this recently
 SWITCH = 0.8  # a probe this fraction of the current setting's median time (or less) switches
 RECENT = 8  # forwards per (setting, size) whose median the probe is compared with
 
@@ -35,14 +39,19 @@ class ThreadGovernor:
     sets the thread count for the next forward, `after(rows, seconds)` records it; `release` gives the calling
     thread its full count back (when the loop stops stepping on a caller's thread)."""
 
+    _chosen: tuple[int, float] = (0, float("-inf"))  # the process's last chosen setting, and when (a hint)
+
     def __init__(self, threads: int | None = None, probe_s: float = PROBE_S, clock=time.monotonic) -> None:
         self.clock = clock
         self.full = int(threads or torch.get_num_threads())
         self.threads = self.full  # the current setting
+        chose, at = ThreadGovernor._chosen
+        if chose in (1, self.full) and 0 <= clock() - at < REMEMBER_S:
+            self.threads = chose
         self.probe_s = probe_s
         self.switches = 0
         self._recent: dict[tuple[int, int], deque] = {}
-        self._last_probe = clock()
+        self._last_probe = clock() - probe_s + min(FIRST_PROBE_S, probe_s)
         self._probing = False
 
     @property
@@ -63,6 +72,7 @@ class ThreadGovernor:
         if not self.enabled:
             return
         size = _bucket(rows)
+        ThreadGovernor._chosen = (self.threads, self.clock())
         if not self._probing:
             self._recent.setdefault((self.threads, size), deque(maxlen=RECENT)).append(seconds)
             return
@@ -73,6 +83,7 @@ class ThreadGovernor:
         if mine and seconds <= SWITCH * sorted(mine)[len(mine) // 2]:
             self.threads = self.other
             self.switches += 1
+            ThreadGovernor._chosen = (self.threads, self.clock())
 
     def release(self) -> None:
         """Give the calling thread its full thread count back (the setting is kept for the next forward)."""
