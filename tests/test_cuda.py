@@ -168,17 +168,17 @@ def test_sequences_longer_than_the_cache_are_refused():
 
 
 # ---- logits ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["fp32", "fixed"])
-def test_logits_match_hf_forward_on_prompts_and_trees(mode):
-    model = model32(1)
-    hf, fwd = HFForward(model, kernel=False), GPUForward(model, device="cpu", mode=mode, max_len=128, slots=2)
-    rng = random.Random(11)
+def _matches_hf(model, mode: str, prompt_len: int, trees: int, seed: int, max_len: int) -> None:
+    """GPUForward's logits equal HFForward's (float32 tolerance) on a prompt, then on `trees` random trees, each
+    followed by the same `keep` of a random path."""
+    hf, fwd = HFForward(model, kernel=False), GPUForward(model, device="cpu", mode=mode, max_len=max_len, slots=2)
+    rng = random.Random(seed)
     with torch.inference_mode():
         hf.reset()
         fwd.reset()
-        prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(15)]
+        prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(prompt_len)]
         torch.testing.assert_close(fwd(prompt), hf(prompt), rtol=1e-5, atol=1e-5)
-        for _ in range(3):
+        for _ in range(trees):
             tree = random_tree(rng, rng.randrange(2, 20))
             torch.testing.assert_close(fwd(*tree_args(tree)), hf(*tree_args(tree)), rtol=1e-5, atol=1e-5)
             path = tree.path_to(rng.randrange(len(tree)))
@@ -187,6 +187,11 @@ def test_logits_match_hf_forward_on_prompts_and_trees(mode):
         last = fwd([3, 4, 5], keep_last=2)
         assert last.shape == (2, TINY_VOCAB)
         torch.testing.assert_close(last, hf([3, 4, 5])[-2:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fixed"])
+def test_logits_match_hf_forward_on_prompts_and_trees(mode):
+    _matches_hf(model32(1), mode, prompt_len=15, trees=3, seed=11, max_len=128)
 
 
 def _family(kind: str):
@@ -212,16 +217,7 @@ def _family(kind: str):
 @pytest.mark.parametrize("kind", ["llama-bias", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", ["fp32", "fixed"])
 def test_each_supported_family_matches_hf_forward(kind, mode):
-    model = _family(kind)
-    hf, fwd = HFForward(model, kernel=False), GPUForward(model, device="cpu", mode=mode, max_len=64, slots=2)
-    rng = random.Random(2)
-    with torch.inference_mode():
-        hf.reset()
-        fwd.reset()
-        prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(9)]
-        torch.testing.assert_close(fwd(prompt), hf(prompt), rtol=1e-5, atol=1e-5)
-        tree = random_tree(rng, 7)
-        torch.testing.assert_close(fwd(*tree_args(tree)), hf(*tree_args(tree)), rtol=1e-5, atol=1e-5)
+    _matches_hf(_family(kind), mode, prompt_len=9, trees=2, seed=2, max_len=64)
 
 
 def test_goose_panels_are_read_back_as_plain_weights():
