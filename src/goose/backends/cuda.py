@@ -30,7 +30,6 @@ out, and so are the larger ones: those sizes run eagerly (the fallback is named 
 
 from __future__ import annotations
 
-import sys
 import weakref
 from contextlib import contextmanager
 from typing import Callable
@@ -39,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import GooseError
+from ..progress import note
 from ..protocols import Forward, KVCache, Segment
 from .fixed_kernels import fixed_kernels
 from .forward import weights_fingerprint
@@ -192,8 +192,7 @@ class GraphRunner:
                 out = graph.capture(lambda s=static: self.step(s))
             except torch.OutOfMemoryError:
                 self.failed = b
-                print(f"goose: the graph for {b} rows does not fit in GPU memory: calls of {b} rows or more run "
-                      f"eagerly", file=sys.stderr)
+                note(f"the graph for {b} rows does not fit in GPU memory: calls of {b} rows or more run eagerly")
                 break
             self.graphs[b] = (graph, static, out)
             self.captures += 1
