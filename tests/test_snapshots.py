@@ -130,3 +130,17 @@ def test_goose_serve_writes_a_snapshot_on_shutdown_and_loads_it(worded, tmp_path
     write_snapshot(path, foreign.identity, [("x", [b"\x01\x00\x00\x00" * 8])])
     at_start, _ = served(None)
     assert "made for another model or setting: min_match 99" in at_start
+
+
+def test_engine_call_runs_on_the_loops_thread_and_after_it_on_the_callers(model):
+    """`Engine.call`: on the engine's own thread while its loop runs (results and exceptions come back), on the
+    calling thread once the engine is closed; with thread=False, on the caller's thread."""
+    import threading
+
+    with Engine(model, None, "ar", engine_config=EngineConfig(max_batch=1)) as eng:
+        assert eng.call(lambda: threading.current_thread().name, timeout=30) == "goose-engine"
+        with pytest.raises(ZeroDivisionError):
+            eng.call(lambda: 1 / 0, timeout=30)
+    assert eng.call(lambda: threading.current_thread().name) == threading.current_thread().name
+    with Engine(model, None, "ar", thread=False) as eng:
+        assert eng.call(lambda: threading.current_thread()) is threading.current_thread()
