@@ -30,13 +30,16 @@ from goose.machine import cpu_name
 
 
 def variant_engine(model, tok, v: str, c: int) -> Engine:
-    """The engine of variant `v` (``method[~explore_trials][@worth_margin]``), at most `c` requests per step."""
+    """The engine of variant `v` (``method[+head][~explore_trials][@worth_margin]``; ``+head``: with the packaged
+    draft head), at most `c` requests per step."""
     m, _, wm = v.partition("@")
     m, _, ex = m.partition("~")
+    m, head, _ = m.partition("+head")
     config = None
-    if ex:
-        g = GooseConfig()
-        acc = dataclasses.replace(g.device_aware.acceptance, explore_trials=int(ex))
+    if ex or head:
+        g = GooseConfig(eagle=dataclasses.replace(GooseConfig().eagle, head="packaged")) if head else GooseConfig()
+        acc = dataclasses.replace(g.device_aware.acceptance, explore_trials=int(ex)) if ex else \
+            g.device_aware.acceptance
         config = dataclasses.replace(g, device_aware=dataclasses.replace(g.device_aware, acceptance=acc))
     settings = EngineConfig(max_batch=c, **({"worth_margin": float(wm)} if wm else {}))
     return Engine(model, tok, m, config=config, engine_config=settings, thread=False)
@@ -81,8 +84,8 @@ def one_round(model, tok, prompts: list[list[int]], c: int, variants: list[str],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("concurrency", type=int)
-    ap.add_argument("variants", help="comma-separated: method[~explore_trials][@worth_margin]; ratios are to the "
-                                     "first")
+    ap.add_argument("variants", help="comma-separated: method[+head][~explore_trials][@worth_margin]; ratios are to "
+                    "the first")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--arith", default="exact", choices=("exact", "int8"))
     ap.add_argument("--threads", type=int, default=2)
