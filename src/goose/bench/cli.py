@@ -88,7 +88,7 @@ def run_bench(args, questions: list, dataset: str, argv: list[str], replace: boo
     settings = method_settings(methods)  # a missing datastore fails here, before the model load
     t0 = time.perf_counter()
     model, tok = load_model(args.model, args.dtype, args.device, weights=getattr(args, "weights", None),
-                            arith=cli_arith(args))
+                            arith=pinned["arith"])
     # Hugging Face's methods run on their own copy: float32 in transformers' modules and kernels
     baseline = load_baseline(args.model, args.dtype, args.device)[0] if any(m in HF_METHODS for m in methods) \
         else None

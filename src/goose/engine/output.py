@@ -103,6 +103,11 @@ def stop_check(stop, tokenizer):
     return StopStrings(tokenizer, stops) if stops else None
 
 
+def text_decoder(tokenizer):
+    """``decode(ids) -> str``: the text of token ids as every front end shows it (special tokens left out)."""
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class TokenBlock(list):
     """The token ids one step committed for a request (a list of them), with `sources`: each token's draft
     source code (`goose.drafting.tree`: SPINE, BRANCH, MEMORY, HEAD; anything else is the target's own token,
@@ -141,7 +146,7 @@ class Detokenizer:
 
     @classmethod
     def of(cls, tokenizer, stops: list[str] | None = None) -> "Detokenizer":
-        return cls(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stops)
+        return cls(text_decoder(tokenizer), stops)
 
     def feed(self, block: list[int], per_token: bool = False) -> list[tuple[str, str]]:
         """(text, draft source of its last token) pieces for the tokens of `block` (a `TokenBlock`, or a list:

@@ -40,8 +40,8 @@ from ..errors import (
 from ..machine import trim_heap
 from ..selection.costmodel import BatchCostCurve
 from .measure import load_or_measure_batch
-from .methods import Method, make_method
-from .output import Detokenizer, TokenBlock, stop_check
+from .methods import METHODS, Method, make_method
+from .output import Detokenizer, TokenBlock, stop_check, text_decoder
 from .prefix import BLOCK, PrefixCache
 from .requests import (
     GenerationResult,
@@ -357,8 +357,7 @@ class Engine:
         req_box: list[Request] = []
         slot = Slot(ids, cfg, template.fork(), self.forward.new_cache(), self.eos if eos is None else id_set(eos),
                     self.limit, chooser, stop=None if stop is None else _guarded(stop, req_box))
-        decode = None if self.tokenizer is None else \
-            (lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
+        decode = None if self.tokenizer is None else text_decoder(self.tokenizer)
         req = Request(rid, ids, slot, decode, on_tokens, str(tenant), bool(private_memory), bool(private))
         req_box.append(req)
         with self._cond:
@@ -382,6 +381,12 @@ class Engine:
         """Submit every prompt, wait for all; results in input order."""
         reqs = [self.submit(p, max_new_tokens, chat, **options) for p in prompts]
         return [r.result() for r in reqs]
+
+    @property
+    def offered_methods(self) -> tuple[str, ...]:
+        """The methods a request may name: the default one first, then `EngineConfig.methods` ("ar" among them),
+        or every method when the engine was given none."""
+        return tuple(dict.fromkeys((self.default_method, *(self.settings.methods or METHODS))))
 
     def load(self) -> tuple[int, int]:
         """(running requests, waiting requests)."""
@@ -531,10 +536,9 @@ class Engine:
     # ---- internals -----------------------------------------------------------------------------------
     def _template(self, name: str) -> Method:
         """The prepared method `name` whose forks serve requests (prepared once; cost curves measured once)."""
-        allowed = self.settings.methods
-        if allowed is not None and name not in allowed and name != self.default_method:
+        if self.settings.methods is not None and name not in self.offered_methods:
             raise MethodNotAllowed(f"method '{name}' is not offered here; choose one of: "
-                                   f"{', '.join(dict.fromkeys((self.default_method, *allowed)))}")
+                                   f"{', '.join(self.offered_methods)}")
         with self._tpl_lock:
             tpl = self._templates.get(name)
             if tpl is None:

@@ -41,7 +41,7 @@ from ..config import DEFAULT_SNAPSHOT_S, EngineConfig, GooseConfig
 from ..config import DEFAULT_STALL_S as STALL_S
 from ..decoding import encode_chat
 from ..engine.methods import METHODS
-from ..engine.output import MAX_STOP_BYTES, Detokenizer
+from ..engine.output import MAX_STOP_BYTES, Detokenizer, text_decoder
 from ..errors import EngineClosed, GooseError, MethodNotAllowed, QueueFull
 from ..machine import glibc
 from .keys import ApiKeys, Key
@@ -263,7 +263,7 @@ class Serving:
         self.snapshots = None  # the suffix memories' snapshot file (`create_app`'s `snapshots`)
         tok = engine.tokenizer
         self.tok = tok
-        self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        self.decode = text_decoder(tok)
         self._view = _EngineView(self)
         self.metrics = Metrics(self._view, model_name)
         self.created = int(time.time())
@@ -385,9 +385,7 @@ class Serving:
 
     def models(self) -> dict:
         engine = self.engine
-        offered = engine.settings.methods or METHODS
-        info = {"default_method": engine.default_method,
-                "methods": list(dict.fromkeys((engine.default_method, *offered))),
+        info = {"default_method": engine.default_method, "methods": list(engine.offered_methods),
                 "arith": engine.arith, "guarantee": ARITH_GUARANTEES.get(engine.arith, "")}
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                             "owned_by": "goose", "max_model_len": engine.limit, "goose": info}]}
