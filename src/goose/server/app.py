@@ -779,6 +779,12 @@ def tune_malloc(arenas: int = MALLOC_ARENAS, mmap_threshold: int = MMAP_THRESHOL
     return bool(libc.mallopt(-8, int(arenas))) and bool(libc.mallopt(-3, int(mmap_threshold)))
 
 
+def _quiet_health(record: logging.LogRecord) -> bool:
+    """uvicorn's access log without the successful health checks (a router's every second or so)."""
+    args = record.args
+    return not (isinstance(args, tuple) and len(args) >= 5 and args[2] == "/health" and args[4] == 200)
+
+
 def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int = 8000,
           engine_config: EngineConfig = SERVE_ENGINE, api_key: str | None = None, dtype: str = "float32",
           device: str = "cpu", served_name: str | None = None, drain_timeout: float = 30.0,
@@ -831,6 +837,7 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=drain_timeout))
     server_box.append(server)
+    logging.getLogger("uvicorn.access").addFilter(_quiet_health)  # routers ask every second or so
     server.run()
     if not server.started:  # uvicorn logged why
         raise GooseError(f"the server could not start on {host}:{port}")

@@ -31,6 +31,11 @@ honours them exactly (docs/serving.md, "vLLM-compatible clients and dashboards")
   ``tool_choice`` "none" / "auto" (without tools), ``response_format`` text, ``parallel_tool_calls`` any;
   chat: ``add_generation_prompt`` true, ``continue_final_message`` false, ``echo`` false,
   ``chat_template_kwargs`` empty; completions: ``add_special_tokens`` true.
+
+Fields that vLLM's and SGLang's routers (`goose replicas`) add to every request they pass on, accepted at the
+value those routers send, which changes nothing here: ``no_stop_trim`` false (stop strings are cut from the
+text, as OpenAI's API does), ``return_hidden_states`` false, ``separate_reasoning`` true, ``stream_reasoning``
+true and ``include_reasoning`` true (goose parses no reasoning: the text is the model's, whole).
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ NEUTRAL: dict[str, tuple] = {
     "use_beam_search": (False,), "tools": ([],), "tool_choice": ("none", "auto"),
     "response_format": ({"type": "text"},), "add_generation_prompt": (True,), "continue_final_message": (False,),
     "echo": (False,), "chat_template_kwargs": ({},), "add_special_tokens": (True,),
+    # added by vLLM's and SGLang's routers to every request they pass on
+    "no_stop_trim": (False,), "return_hidden_states": (False,), "separate_reasoning": (True,),
+    "stream_reasoning": (True,), "include_reasoning": (True,),
 }
 
 
@@ -122,6 +130,12 @@ class _Sampling(BaseModel):
     use_beam_search: bool | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    # routers' extensions (see the module doc)
+    no_stop_trim: bool | None = None
+    return_hidden_states: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
     # OpenAI fields that only matter with tools or structured output
     tools: list[Any] | None = None
     tool_choice: Any = None
