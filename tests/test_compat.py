@@ -98,7 +98,24 @@ def test_vllm_benchmark_payload_is_accepted(url):
     assert events[-1]["usage"]["completion_tokens"] == 5
 
 
+def test_router_payload_is_accepted(url):
+    """What vLLM's router (`goose replicas`) passes on: the client's body plus its fields at neutral values."""
+    for path, body in (
+        ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                  "stream": False, "user": "a", "logprobs": False, "no_stop_trim": False,
+                                  "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
+                                  "separate_reasoning": True, "stream_reasoning": True,
+                                  "return_hidden_states": False, "include_reasoning": True}),
+        ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "stream": False, "echo": False,
+                             "user": "a", "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                             "return_hidden_states": False})):
+        status, _, out = raw(url, "POST", path, body)
+        assert status == 200, out
+
+
 @pytest.mark.parametrize("field, value", [
+    ("no_stop_trim", True), ("return_hidden_states", True), ("separate_reasoning", False),
+    ("stream_reasoning", False), ("include_reasoning", False),
     ("min_p", 0.05), ("repetition_penalty", 1.1), ("stop_token_ids", [5]), ("skip_special_tokens", False),
     ("include_stop_str_in_output", True), ("priority", 2), ("use_beam_search", True), ("tools", [{"type": "x"}]),
     ("tool_choice", "required"), ("response_format", {"type": "json_object"}), ("add_generation_prompt", False),

