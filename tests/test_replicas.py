@@ -198,7 +198,7 @@ def test_replica_commands_and_router_command():
     assert [r.url for r in reps] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"]
     assert reps[2].cmd[-2:] == ["--memory-snapshot", "/snap/replica-2.snapshot"]
     assert all(r.env["OMP_NUM_THREADS"] == "2" and "--arith" in r.cmd for r in reps)
-    for bad in (["--port", "1"], ["--host=0.0.0.0"], ["--memory-snapshot", "x"]):
+    for bad in (["--port", "1"], ["--host=0.0.0.0"], ["--memory-snapshot", "x"], ["--drain-timeout", "3"]):
         with pytest.raises(GooseError, match="sets --"):
             replica_commands(2, "127.0.0.1", 9000, bad, None, None)
     cmd = router_command("127.0.0.1", 9000, [r.url for r in reps], "consistent_hash", 9004, 1)

@@ -8,9 +8,10 @@ and supervises the processes, it does not route. Layout, all on `--host` (loopba
     router metrics      P + N + 1 (`--metrics-port`) Prometheus text of the router (requests per worker, ...)
 
 Routing (`--policy`, default `consistent_hash`): a request goes to the replica its key hashes to, the key being
-the first of the headers X-Session-ID, X-User-ID, X-Tenant-ID, X-Request-ID, then the body's `user`; so a
-tenant (goose's tenant is the API key's scope, `user` and `cache_salt`) that sends `user` or one of those
-headers always lands on the same replica, where its prefix cache and suffix memory are warm. `cache_aware`
+the first of the headers X-Session-ID, X-User-ID, X-Tenant-ID, X-Request-ID, X-Correlation-ID, X-Trace-ID
+(vllm-router 0.1.17 does not steer by the body's `user`); so a session or tenant that sends one always lands
+on the same replica, where its prefix cache and suffix memory are warm (goose's tenant itself is still the API
+key's scope, `user` and `cache_salt`). `cache_aware`
 routes by the longest prompt prefix seen per replica instead (load-balanced), `round_robin` / `power_of_two` /
 `random` spread requests with no affinity. Requests without any key are hashed by their whole body.
 
@@ -25,8 +26,8 @@ router, then drain the replicas (each finishes its running requests, `goose serv
 Threads: each replica gets OMP_NUM_THREADS = max(1, CPUs // N) unless the environment sets it. Memory
 snapshots: `--memory-snapshot-dir D` gives replica i `D/replica-i.snapshot` (`goose serve --memory-snapshot`).
 Across machines: run `goose serve --host <address> --api-key ...` on each machine and `vllm-router
---worker-urls http://host1:8000 http://host2:8000 --policy consistent_hash` (or this command's `--worker-url`
-for replicas already running elsewhere) in front of them (docs/replicas.md).
+--worker-urls http://host1:8000 http://host2:8000 --policy consistent_hash`
+in front of them (docs/serving.md, "Replicas behind a router").
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from ..errors import GooseError
 POLICIES = ("consistent_hash", "cache_aware", "round_robin", "power_of_two", "random")
 MAX_REPLICAS = 64
 # `goose serve` options `goose replicas` sets itself for each replica
-OWN_FLAGS = ("--host", "--port", "--memory-snapshot")
+OWN_FLAGS = ("--host", "--port", "--memory-snapshot", "--drain-timeout")
 
 
 @dataclass
@@ -84,18 +85,20 @@ def router_command(host: str, port: int, urls: list[str], policy: str, metrics_p
 
 
 def replica_commands(n: int, host: str, port: int, serve_args: list[str], snapshot_dir: str | None,
-                     threads: int | None) -> list[Replica]:
+                     threads: int | None, drain_timeout: float = 30.0) -> list[Replica]:
     """The `goose serve` command and environment of each replica."""
     for flag in OWN_FLAGS:
         if any(a == flag or a.startswith(flag + "=") for a in serve_args):
-            hint = " (use --memory-snapshot-dir)" if flag == "--memory-snapshot" else ""
+            hint = {"--memory-snapshot": " (use --memory-snapshot-dir)",
+                    "--drain-timeout": " (give it to goose replicas)"}.get(flag, "")
             raise GooseError(f"goose replicas sets {flag} of each replica itself; leave it out of the serve "
                              f"arguments{hint}")
     default_threads = str(max(1, (os.cpu_count() or 1) // n))
     out = []
     for i in range(n):
         p = port + 1 + i
-        cmd = [sys.executable, "-m", "goose", "serve", "--host", host, "--port", str(p), *serve_args]
+        cmd = [sys.executable, "-m", "goose", "serve", "--host", host, "--port", str(p), "--drain-timeout",
+               str(drain_timeout), *serve_args]
         if snapshot_dir is not None:
             cmd += ["--memory-snapshot", str(Path(snapshot_dir) / f"replica-{i}.snapshot")]
         env = dict(os.environ)
@@ -241,7 +244,7 @@ def cmd_replicas(args) -> int:
     if serve_args[:1] == ["--"]:
         serve_args = serve_args[1:]
     reps = replica_commands(args.replicas, args.host, args.port, serve_args, args.memory_snapshot_dir,
-                            args.threads)
+                            args.threads, args.drain_timeout)
     if args.memory_snapshot_dir is not None:
         Path(args.memory_snapshot_dir).mkdir(parents=True, exist_ok=True)
     metrics_port = args.metrics_port or args.port + args.replicas + 1
