@@ -95,3 +95,29 @@ def test_an_engine_on_one_thread_gives_the_same_tokens_and_the_callers_threads_b
         out = [t for block in eng.drive(req) for t in block]
     assert out == greedy_memo(model, prompt, 30) and torch.get_num_threads() == 2
     assert EngineConfig(adapt_threads=False).adapt_threads is False
+
+
+def test_trees_are_priced_by_the_curve_of_the_threads_in_use(threads, monkeypatch):
+    """An engine on 2 threads also has the cost curve measured on one (cached under threads=1), and a step run
+    while the governor holds one thread gets that curve; on all threads, the other."""
+    from goose.engine import scheduler
+    from goose.engine.measure import curve_key
+
+    model = make_tiny_llama(torch.float32, seed=12)
+    torch.set_num_threads(2)
+    seen = []
+    real = scheduler.step
+    monkeypatch.setattr(scheduler, "step", lambda fwd, slots, cost, *a: (seen.append(cost), real(fwd, slots, cost, *a)))
+    prompt = [5, 9, 17, 33, 60, 5, 9, 17, 33]
+    with Engine(model, None, "goose", engine_config=EngineConfig(max_batch=2), thread=False) as eng:
+        assert eng._cost_one is not None and eng._cost_one is not eng._cost
+        assert torch.get_num_threads() == 2  # measuring on one thread gave the thread count back
+        keys = {n: scheduler.on_threads(n, lambda: curve_key(model, eng.forward)) for n in (1, 2)}
+        assert keys[1] != keys[2]  # two cached curves, one per thread count
+        eng.governor.probe_s = float("inf")
+        for threads_in_use, want in ((2, eng._cost), (1, eng._cost_one)):
+            eng.governor.threads = threads_in_use
+            seen.clear()
+            out = [t for block in eng.drive(eng.submit(prompt, 12)) for t in block]
+            assert seen and all(c is want for c in seen)
+            assert out == greedy_memo(model, prompt, 12)

@@ -54,7 +54,7 @@ from .requests import (
     pick_forward,
 )
 from .step import DECODE, PREFILL, Slot, step
-from .threads import ThreadGovernor
+from .threads import ThreadGovernor, on_threads
 
 _END = object()  # end of a request's block queue
 log = logging.getLogger("goose.engine")
@@ -287,7 +287,11 @@ class Engine:
         self.limit = context_limit(model)
         self._templates: dict[str, Method] = {}
         self._tpl_lock = threading.Lock()  # preparing a method (maybe measuring a cost curve) takes seconds
-        self._cost = None
+        # the threads of the loop's forwards (one while that is faster: a contended CPU; `goose.engine.threads`)
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.governor = ThreadGovernor() if settings.adapt_threads and on_cpu else None
+        # the batched cost curve trees are priced by: on all threads, and on one (while the governor runs one)
+        self._cost = self._cost_one = None
         self.method = method if isinstance(method, Method) else None
         self.default_method = method if self.method is None else method.name
         if self.method is None:
@@ -310,9 +314,6 @@ class Engine:
         self.failure: str | None = None  # why the step loop stopped for good (None: it runs, or was closed)
         # the suffix memories' sizes as the step loop last published them (`MemoryReport`; read from any thread)
         self.memory_report = MemoryReport(0, 0, 0, 0, ())
-        # the threads of the loop's forwards (one while that is faster: a contended CPU; `goose.engine.threads`)
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        self.governor = ThreadGovernor() if settings.adapt_threads and on_cpu else None
         self._memory_changed, self._reported_at = False, 0.0
         self._trimmed_at = time.monotonic()  # when the loop last handed free heap memory back (`trim_heap`)
         self.last_step_at: float | None = None  # time.monotonic() when the last step ended (None: none yet)
@@ -548,6 +549,9 @@ class Engine:
             if tpl.cost is not None and self._cost is None:  # one request at a time: the method's own curve
                 self._cost = BatchCostCurve.single(tpl.cost) if self.max_batch == 1 else \
                     load_or_measure_batch(self.model, self.forward, self.max_batch)
+                if self.governor is not None and self.governor.enabled:  # measured (once: cached) on one thread
+                    self._cost_one = on_threads(1, lambda: load_or_measure_batch(self.model, self.forward,
+                                                                                 self.max_batch))
             return tpl
 
     def _loop(self) -> None:
@@ -633,8 +637,9 @@ class Engine:
         running = [r for r in running if not r.done]
         if running:
             try:
-                step(self.forward, [r.slot for r in running], self._cost, self.prefill_chunk, self.settings,
-                     self.governor)
+                one = self.governor is not None and self.governor.threads == 1 and self._cost_one is not None
+                step(self.forward, [r.slot for r in running], self._cost_one if one else self._cost,
+                     self.prefill_chunk, self.settings, self.governor)
             except Exception as exc:  # a failure of the step's shared work fails the requests in it
                 err = exc if isinstance(exc, GooseError) else RequestFailed(f"decoding failed: {exc!r}")
                 for r in running:

@@ -93,3 +93,13 @@ class ThreadGovernor:
     @property
     def other(self) -> int:
         return 1 if self.threads == self.full else self.full
+
+
+def on_threads(n: int, fn):
+    """`fn()` with torch's parallel regions on `n` threads; the calling thread's count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
