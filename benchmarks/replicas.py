@@ -3,8 +3,9 @@
 Sessions (multi-turn chats: a Spec-Bench question, then follow-ups that carry the whole conversation so far,
 each session its own tenant) run in parallel, one client thread per session, through `goose replicas` started
 per configuration. Reports output tokens/s over the whole run, the prefix-cache hit rate of the follow-up
-turns (prompt tokens copied from a replica's prefix cache / prompt tokens, from the replicas' /metrics), how
-many replicas each session touched, and whether every answer equals the first configuration's (greedy).
+turns (prompt tokens copied from a replica's prefix cache / prompt tokens, from the replicas' /metrics), the same
+for a replay (every session's last request sent again once all are done, as a client's retry), each replica's
+share of the requests, and whether every answer equals the first configuration's (greedy).
 
     python benchmarks/replicas.py [--configs 1x2,2x1] [--policies consistent_hash,round_robin]
                                   [--sessions 8] [--turns 3] [--max-tokens 64] [--arith int8]
@@ -65,22 +66,20 @@ def run_config(replicas, threads, policy, questions, turns, max_tokens, arith, p
                 raise SystemExit(f"goose replicas ({replicas}x{threads}) did not start")
             time.sleep(0.5)
         answers: dict[int, list[str]] = {}
-        touched: dict[int, set] = {}
+        last: dict[int, list] = {}
         tokens = [0]
         lock = threading.Lock()
         barrier = threading.Barrier(len(questions) + 1)
 
         def session(i, q):
-            msgs, outs, homes = [], [], set()
+            msgs, outs = [], []
             for t in range(turns):
                 msgs.append({"role": "user", "content": q if t == 0 else FOLLOW_UPS[(t - 1) % len(FOLLOW_UPS)]})
-                before = [metric(r, "goose_requests_total") for r in reps]
+                last[i] = list(msgs)
                 status, data = call(port, "/v1/chat/completions",
                                     {"model": "smollm2-135m", "messages": msgs, "max_tokens": max_tokens,
                                      "temperature": 0, "user": f"session-{i}"}, {"X-Session-ID": f"session-{i}"})
                 assert status == 200, data[:300]
-                after = [metric(r, "goose_requests_total") for r in reps]
-                homes |= {k for k in range(len(reps)) if after[k] > before[k]}
                 d = json.loads(data)
                 text = d["choices"][0]["message"]["content"]
                 msgs.append({"role": "assistant", "content": text})
@@ -89,7 +88,7 @@ def run_config(replicas, threads, policy, questions, turns, max_tokens, arith, p
                     tokens[0] += d["usage"]["completion_tokens"]
                 if t == 0:
                     barrier.wait()  # every session's first turn done: the follow-ups' hit rate is measured alone
-            answers[i], touched[i] = outs, homes
+            answers[i] = outs
 
         workers = [threading.Thread(target=session, args=(i, q)) for i, q in enumerate(questions)]
         t0 = time.monotonic()
@@ -103,8 +102,19 @@ def run_config(replicas, threads, policy, questions, turns, max_tokens, arith, p
         wall = time.monotonic() - t0
         prompt = sum(metric(r, "goose_prompt_tokens_total") for r in reps) - sum(after_first["prompt"])
         cached = sum(metric(r, "goose_prompt_tokens_cached_total") for r in reps) - sum(after_first["cached"])
+        p0 = sum(metric(r, "goose_prompt_tokens_total") for r in reps)
+        c0 = sum(metric(r, "goose_prompt_tokens_cached_total") for r in reps)
+        for i in range(len(questions)):  # the replay: each session's last request again
+            status, data = call(port, "/v1/chat/completions",
+                                {"model": "smollm2-135m", "messages": last[i], "max_tokens": max_tokens,
+                                 "temperature": 0, "user": f"session-{i}"}, {"X-Session-ID": f"session-{i}"})
+            assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == answers[i][-1]
+        replay = (sum(metric(r, "goose_prompt_tokens_cached_total") for r in reps) - c0) / max(
+            1, sum(metric(r, "goose_prompt_tokens_total") for r in reps) - p0)
+        share = [metric(r, "goose_requests_total") for r in reps]
         return {"tokens_per_s": tokens[0] / wall, "tokens": tokens[0], "wall_s": wall,
-                "hit_rate": cached / max(1, prompt), "max_replicas_per_session": max(len(h) for h in touched.values()),
+                "hit_rate": cached / max(1, prompt), "replay_hit_rate": replay,
+                "share": "/".join(f"{x / sum(share):.0%}" for x in share),
                 "answers": [answers[i] for i in range(len(questions))]}
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -139,18 +149,17 @@ def main() -> None:
             res = run_config(r, t, policy, questions, args.turns, args.max_tokens, args.arith, args.port)
             first = first or res["answers"]
             rows.append((conf, policy, res, res["answers"] == first))
-            print(f"{conf} {policy}: {res['tokens_per_s']:.1f} tok/s, hit rate {res['hit_rate']:.3f}, "
-                  f"replicas per session <= {res['max_replicas_per_session']}, same answers {rows[-1][3]}",
-                  flush=True)
+            print(f"{conf} {policy}: {res['tokens_per_s']:.1f} tok/s, hit rate {res['hit_rate']:.3f}, replay "
+                  f"{res['replay_hit_rate']:.3f}, requests {res['share']}, same answers {rows[-1][3]}", flush=True)
     print(f"\n{args.sessions} sessions x {args.turns} turns, {args.max_tokens} tokens, arith {args.arith}, "
           f"{os.cpu_count()} CPUs\n")
-    print("| replicas x threads | policy | output tokens/s | vs 1 replica | follow-up prefix-cache hit rate | "
-          "replicas per session | answers = first |")
-    print("|---|---|---|---|---|---|---|")
+    print("| replicas x threads | policy | output tokens/s | vs 1 replica | prefix-cache hit rate, follow-ups | "
+          "replays | requests per replica | answers = first |")
+    print("|---|---|---|---|---|---|---|---|")
     base = rows[0][2]["tokens_per_s"]
     for conf, policy, res, same in rows:
         print(f"| {conf} | {policy} | {res['tokens_per_s']:.1f} | {res['tokens_per_s'] / base:.2f}x | "
-              f"{res['hit_rate']:.1%} | {res['max_replicas_per_session']} | {'yes' if same else 'NO'} |")
+              f"{res['hit_rate']:.1%} | {res['replay_hit_rate']:.1%} | {res['share']} | {'yes' if same else 'NO'} |")
 
 
 if __name__ == "__main__":
