@@ -92,16 +92,20 @@ def sharegpt_conversations(indices: range):
                 yield i, msgs
 
 
+def _template_ids(out) -> list[int]:
+    """The token ids of `apply_chat_template(..., tokenize=True)`, a list or (newer transformers) an encoding."""
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)
+
+
 @torch.inference_mode()
 def collect(forward, tokenizer, conversations, max_tokens: int, chunk: int = 512, progress=None) -> dict:
     """Tokens, features (fp16), labels (the target's greedy next token) and conversation starts."""
     toks, feats, labels, starts = [], [], [], []
     n = 0
     for _, msgs in conversations:
-        ids = tokenizer.apply_chat_template(msgs, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        ids = list(ids)[:max_tokens]
+        ids = _template_ids(tokenizer.apply_chat_template(msgs, tokenize=True))[:max_tokens]
         if len(ids) < 8:
             continue
         cache = forward.new_cache()
@@ -132,10 +136,8 @@ def regenerate_collect(forward, tokenizer, conversations, prompt_tokens: int, ne
         if user is None:
             continue
         user_ids = tokenizer(user, add_special_tokens=False)["input_ids"][:prompt_tokens]
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": tokenizer.decode(user_ids)}],
-                                            tokenize=True, add_generation_prompt=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
+        ids = _template_ids(tokenizer.apply_chat_template([{"role": "user", "content": tokenizer.decode(user_ids)}],
+                                                          tokenize=True, add_generation_prompt=True))
         if tuple(ids) not in seen:  # ShareGPT repeats some questions: each is answered once
             seen.add(tuple(ids))
             prompts.append(list(ids))
@@ -158,11 +160,10 @@ def regenerate_collect(forward, tokenizer, conversations, prompt_tokens: int, ne
                 hid[i].append(seg.hidden.to(torch.float16))
                 lab[i].append(lg.argmax(-1).to(torch.int32))
                 t = int(lab[i][-1][-1])
-                if len(seqs[i]) - len(group[i]) < new_tokens and t not in eos:
+                if len(seqs[i]) - len(group[i]) < new_tokens:
                     seqs[i].append(t)
-                    nxt_live.append(i)
-                elif t in eos and len(seqs[i]) - len(group[i]) < new_tokens:
-                    seqs[i].append(t)  # the stop token ends the answer; its own row is not needed
+                    if t not in eos:  # a stop token ends the answer; its own row is not needed
+                        nxt_live.append(i)
             live = nxt_live
             if not live:
                 break
