@@ -20,6 +20,7 @@ pytest.importorskip("vllm_router", reason="goose replicas needs the router extra
 
 from goose.errors import GooseError  # noqa: E402
 from goose.server.replicas import replica_commands, router_command  # noqa: E402
+from serving import raw  # noqa: E402
 
 STARTUP_S = 240
 N = 2
@@ -45,16 +46,10 @@ def _free_block(n: int) -> int:
     raise RuntimeError("no free block of ports")
 
 
-def call(port: int, path: str, body: dict | None = None, headers: dict | None = None, timeout: float = 120):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        c.request("POST" if body is not None else "GET", path, json.dumps(body) if body is not None else None,
-                  {"Content-Type": "application/json", **(headers or {})})
-        r = c.getresponse()
-        data = r.read()
-        return r.status, data
-    finally:
-        c.close()
+def call(port: int, path: str, body: dict | None = None, headers: dict | None = None):
+    """(status, body bytes) of one request to 127.0.0.1:`port` (`serving.raw`)."""
+    status, _, data = raw(f"http://127.0.0.1:{port}", "POST" if body is not None else "GET", path, body, headers)
+    return status, data
 
 
 def complete(port: int, prompt: str, session: str | None = None, user: str | None = None, max_tokens: int = 12):
@@ -93,7 +88,7 @@ def replicas(worded, tmp_path_factory):
         while True:
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
             try:
-                if call(port, "/health", timeout=2)[0] == 200 and call(port, "/v1/models", timeout=5)[0] == 200:
+                if call(port, "/health")[0] == 200 and call(port, "/v1/models")[0] == 200:
                     break
             except OSError:
                 pass
@@ -183,7 +178,7 @@ def test_a_killed_replica_fails_or_retries_its_requests_cleanly(replicas):
     deadline = time.monotonic() + STARTUP_S
     while True:
         try:
-            if call(reps[0], "/health", timeout=2)[0] == 200:
+            if call(reps[0], "/health")[0] == 200:
                 break
         except OSError:
             pass
