@@ -33,20 +33,21 @@ def _model(seed):
     return _MODELS[seed]
 
 
-def eagle(model, folder, depth=5, top_k=4, cost=FLAT) -> Eagle2:
-    return Eagle2(EagleConfig(head=str(folder), depth=depth, top_k=top_k), cost)
+def eagle(model, folder, depth=5, top_k=4, cost=FLAT, catch_up=256) -> Eagle2:
+    return Eagle2(EagleConfig(head=str(folder), depth=depth, top_k=top_k, catch_up=catch_up), cost)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=prompts, max_new=st.integers(1, 40), seed=st.integers(0, 2), head_seed=st.integers(0, 1000),
        draft_vocab=st.integers(1, TINY_VOCAB), top_k=st.integers(1, 6), depth=st.integers(1, 6),
-       eagle1=st.booleans(), curve=st.sampled_from(sorted(CURVES)), backend=st.sampled_from(["hf", "lean"]))
+       eagle1=st.booleans(), curve=st.sampled_from(sorted(CURVES)), backend=st.sampled_from(["hf", "lean"]),
+       catch_up=st.integers(1, 300))
 def test_eagle2_equals_greedy_whatever_the_head(tmp_path_factory, prompt, max_new, seed, head_seed, draft_vocab,
-                                                top_k, depth, eagle1, curve, backend):
+                                                top_k, depth, eagle1, curve, backend, catch_up):
     model = _model(seed)
     folder = random_head(model, tmp_path_factory.mktemp("head"), head_seed, draft_vocab, eagle1)
     fwd = HFForward(model) if backend == "hf" else LeanForward(model)
-    dec = Decoder(model, None, eagle(model, folder, depth, top_k, CURVES[curve]), forward=fwd)
+    dec = Decoder(model, None, eagle(model, folder, depth, top_k, CURVES[curve], catch_up), forward=fwd)
     out, stats = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=max_new))
     assert out == hf_greedy(model, prompt, max_new)
     assert stats.drafted["spine"] == stats.drafted["branch"] == 0
@@ -204,8 +205,36 @@ def test_no_packaged_head_for_a_model_is_a_clear_error(tiny_model):
         Decoder(tiny_model, None, "eagle2", cost=FLAT)
 
 
+def test_a_long_prompt_enters_the_heads_cache_by_its_last_catch_up_positions(tiny_model, tmp_path):
+    from goose.engine.methods.eagle2 import HeadDrafter, HeadState
+
+    head = load_head(random_head(tiny_model, tmp_path / "h", 3), tiny_model)
+    prompt = [random.Random(5).randrange(TINY_VOCAB) for _ in range(70)]
+    hidden = torch.randn(len(prompt), tiny_model.config.hidden_size)
+    trees = {}
+    for cap in (16, 256):
+        drafter, st = HeadDrafter(head, EagleConfig(catch_up=cap)), HeadState()
+        st.take_features(hidden)
+        drafter.begin(st, prompt + [7])  # after the prefill: the prompt's features and the first new token
+        trees[cap] = drafter.grow(st, 7)[0]
+        assert st.length == min(cap, len(prompt)) and st.fpos == len(prompt) and not st.feats  # fpos: the root's
+    assert len(trees[16]) > 1 and len(trees[256]) > 1
+    # a resting head (in `goose`) skips its positions: the next step runs only those after the rest
+    more = [random.Random(6).randrange(TINY_VOCAB) for _ in range(8)]
+    st.commit(more)
+    st.take_features(torch.randn(5, tiny_model.config.hidden_size))
+    st.skip()
+    st.take_features(torch.randn(3, tiny_model.config.hidden_size))
+    before = st.length
+    drafter.grow(st, more[-1])
+    assert st.length == before + 3 and st.fpos == len(prompt) + 8
+    dec = Decoder(tiny_model, None, eagle(tiny_model, tmp_path / "h", catch_up=16), forward=LeanForward(tiny_model))
+    assert dec.generate_ids(prompt, DecodeConfig(max_new_tokens=30))[0] == hf_greedy(tiny_model, prompt, 30)
+
+
 def test_eagle2_config_bounds():
-    for bad in (dict(depth=0), dict(top_k=0), dict(depth=33)):
+    for bad in (dict(depth=0), dict(top_k=0), dict(depth=33), dict(catch_up=0), dict(probe_every=-1),
+                dict(pay_rate=0.0)):
         with pytest.raises(GooseError):
             EagleConfig(**bad)
 
@@ -347,27 +376,39 @@ def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path):
     assert (got - ref).abs().max() <= tol * ref.abs().max()
 
 
-def test_goose_rests_a_head_that_does_not_pay_and_probes_it():
+def _run_arms(pay, steps: int, with_head: tuple[float, int], without: tuple[float, int]) -> list[bool]:
+    """`steps` steps through `pay` on a fake clock: a step with the head takes with_head[0] ms and commits
+    with_head[1] tokens, one without takes without[0] ms for without[1]. The arms chosen."""
+    now = [0.0]
+    pay.clock = lambda: now[0]
+    chosen = []
+    for _ in range(steps):
+        on = pay.drafts()
+        chosen.append(on)
+        ms, tokens = with_head if on else without
+        now[0] += ms / 1e3
+        pay.observe(tokens)
+    return chosen
+
+
+def test_goose_drafts_with_the_head_only_while_its_steps_commit_more_tokens_per_ms():
     from goose.engine.methods.goose import _HeadPay
 
+    # the head adds 2 ms to a 5 ms step for no more tokens: it rests, and is tried one step in four
+    slow = _run_arms(_HeadPay(EagleConfig(pay_rate=0.5, probe_every=4)), 40, (7.0, 1), (5.0, 1))
+    assert slow[:3] == [True, True, False]  # the head's first step (unmeasured), then each arm measured once
+    assert sum(slow[10:]) in (7, 8) and not all(slow[10:])
+    # two tokens a step for 7 ms beat one for 5 ms: the head drafts, and the plain arm is probed one step in four
+    fast = _run_arms(_HeadPay(EagleConfig(pay_rate=0.5, probe_every=4)), 40, (7.0, 2), (5.0, 1))
+    assert fast[:3] == [True, True, False]
+    assert len(fast[10:]) - sum(fast[10:]) in (7, 8)
+    # the text changes: the head stops paying, and the probes see it
     pay = _HeadPay(EagleConfig(pay_rate=0.5, probe_every=4))
-    drafted = []
-    for _ in range(40):  # 2 ms of drafting a step, never accepted; a plain step costs 5 ms
-        on = pay.drafts(5.0)
-        drafted.append(on)
-        if on:
-            pay.ms = 2.0
-        pay.observe(0)
-    assert drafted[:2] == [True, True]  # tried first
-    assert sum(drafted[10:]) in (7, 8) and not all(drafted[10:])  # one step in four
-    pay2 = _HeadPay(EagleConfig(pay_rate=0.5, probe_every=4))
-    for _ in range(20):  # one accepted token a step is worth 5 ms: the head keeps drafting
-        assert pay2.drafts(5.0)
-        pay2.ms = 2.0
-        pay2.observe(1)
+    _run_arms(pay, 20, (7.0, 2), (5.0, 1))
+    late = _run_arms(pay, 40, (7.0, 1), (5.0, 1))
+    assert sum(late[20:]) <= 6
     always = _HeadPay(EagleConfig(probe_every=0))
-    always.cost, always.gain = 100.0, 0.0
-    assert always.drafts(1.0)
+    assert all(_run_arms(always, 10, (70.0, 0), (1.0, 5)))
 
 
 def test_a_head_fits_a_lower_precision_copy_of_its_model_but_not_another_model(tmp_path):

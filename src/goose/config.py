@@ -253,17 +253,22 @@ class EagleConfig:
     head: str | None = None
     depth: int = 5
     top_k: int = 4
-    # `goose` only: the head drafts while the tokens it adds (its nodes on accepted paths, per step: an average
-    # over about 1 / `pay_rate` steps) are worth its drafting time at the cost of a plain step; otherwise it rests,
-    # drafting one step in `probe_every` to measure again. 0 probes: the head always drafts.
+    # `goose` only: the head drafts while the steps it drafts commit more tokens per millisecond than those it
+    # does not (each arm's average over about 1 / `pay_rate` of its steps); the other arm runs one step in
+    # `probe_every` to measure again. 0 probes: the head always drafts.
     pay_rate: float = 0.1
     probe_every: int = 16
+    # the most pending positions (the prompt's, or those of steps the head rested) one step runs through the head;
+    # the older ones stay out of its cache (heads are trained on windows of 256 positions: `headtrain.TrainConfig`)
+    catch_up: int = 256
 
     def __post_init__(self) -> None:
         if not 0.0 < self.pay_rate <= 1.0:
             raise GooseError(f"eagle pay_rate must be in (0, 1], got {self.pay_rate}")
         if self.probe_every < 0:
             raise GooseError(f"eagle probe_every must be >= 0, got {self.probe_every}")
+        if self.catch_up < 1:
+            raise GooseError(f"eagle catch_up must be >= 1, got {self.catch_up}")
         if not 1 <= self.depth <= 32:
             raise GooseError(f"eagle depth must be in 1..32, got {self.depth}")
         if not 1 <= self.top_k <= 64:

@@ -56,7 +56,7 @@ class TrainConfig:
     window: int = 256
     batch: int = 8
     epochs: float = 2.0
-    lr: float = 1e-3
+    lr: float = 6e-3
     warmup: int = 50
     unroll: int = 3
     reg_weight: float = 1.0
@@ -420,6 +420,7 @@ def register(sub) -> None:
     t.add_argument("--draft-vocab", type=positive_int, default=d.draft_vocab,
                    help=f"tokens the head can propose (default {d.draft_vocab})")
     t.add_argument("--epochs", type=float, default=d.epochs, help=f"passes over the data (default {d.epochs})")
+    t.add_argument("--lr", type=float, default=d.lr, help=f"AdamW's peak learning rate (default {d.lr})")
     t.add_argument("--unroll", type=positive_int, default=d.unroll,
                    help=f"drafting depths trained on (default {d.unroll})")
     t.add_argument("--window", type=positive_int, default=d.window, help=f"positions per window (default {d.window})")
@@ -440,11 +441,13 @@ def cmd_train_head(args) -> int:
 
     if not 0 < args.epochs <= 100:
         raise GooseError(f"--epochs must be in (0, 100], got {args.epochs}")
+    if not 0 < args.lr <= 1:
+        raise GooseError(f"--lr must be in (0, 1], got {args.lr}")
     d = TrainConfig()
     cfg = TrainConfig(conversations=args.conversations, first=d.first,
                       held_out=(d.held_out[0], d.held_out[0] + min(args.held_out, d.first - d.held_out[0])),
                       max_tokens=args.max_tokens, draft_vocab=args.draft_vocab, window=args.window,
-                      batch=args.batch, epochs=args.epochs, unroll=args.unroll, seed=args.seed,
+                      batch=args.batch, epochs=args.epochs, lr=args.lr, unroll=args.unroll, seed=args.seed,
                       regenerate=args.regenerate)
     model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=cli_arith(args))
     out = Path(args.out)

@@ -54,6 +54,11 @@ class HeadState:
     def commit(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
 
+    def skip(self) -> None:
+        """Leave the pending positions out of the head's cache (a step the head does not draft)."""
+        self.fpos += sum(len(f) for f in self.feats)
+        self.feats = []
+
 
 def find_head(model, cfg: EagleConfig, required: bool) -> DraftHead | None:
     """The head `cfg.head` names, loaded and checked: a folder, "packaged" (the one packaged for `model`) or
@@ -99,12 +104,16 @@ class HeadDrafter:
         st.fpos = len(tokens) - 1 - have  # prompt positions reused from a prefix cache have none
 
     def _catch_up(self, st: HeadState) -> torch.Tensor | None:
-        """Run the head over the pending positions (their rows join its cache); the last row's output, or None
-        when there is none to run."""
+        """Run the head over the pending positions, the last `EagleConfig.catch_up` of them (their rows join its
+        cache, each at its own position); the last row's output, or None when there is none to run."""
         if not st.feats:
             return None
         feats = torch.cat(st.feats)
         st.feats = []
+        skip = max(0, len(feats) - self.cfg.catch_up)  # the oldest pending positions stay out of the head's cache
+        if skip:
+            feats = feats[skip:]
+            st.fpos += skip
         n = len(feats)
         toks = torch.tensor(st.tokens[st.fpos + 1 : st.fpos + 1 + n])
         if len(toks) != n:

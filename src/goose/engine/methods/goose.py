@@ -15,7 +15,7 @@ from ...config import DeviceAwareConfig, GooseConfig
 from ...drafting.memory import MemoryDraft
 from ...drafting.ngram import NgramIndex, Proposal, chain_confidence
 from ...drafting.spine import build_spine_tree
-from ...drafting.tree import BRANCH, HEAD, DraftTree
+from ...drafting.tree import BRANCH, DraftTree
 from ...selection.acceptance import SHORT, AcceptanceModel, match_kind, memory_rank
 from ...selection.costmodel import CostCurve
 from ...selection.selector import Candidates, allocate
@@ -36,33 +36,50 @@ def load_budget(min_prob: float, spine: int = 0, cfg: DeviceAwareConfig = Device
 
 
 class _HeadPay:
-    """Whether the draft head pays for its drafting time in this request: its accepted nodes per step (those no
-    other source proposed) times the milliseconds of a plain step, against its own milliseconds per step, both
-    averaged (`EagleConfig.pay_rate`). A head that does not pay rests, drafting one step in `probe_every` so the
-    averages follow the text; its positions are caught up in one call when it drafts again."""
+    """Whether drafting with the head pays in this request, measured as what it is for: tokens committed per
+    millisecond of the step (from the method's `candidates` to its `observe`: drafting, the forward and the
+    walk), averaged apart over the steps drafted with the head and those without (the first samples' mean, then
+    a moving average of weight `EagleConfig.pay_rate`). The faster arm drafts; the other is tried one step in
+    `probe_every`, so both averages follow the text. A new request drafts with the head first (that step, which
+    runs the prompt's positions through the head, is not measured), then measures a step with the head and one
+    without. A head that rests skips the positions of its resting steps (`HeadState.skip`), so a probe costs what
+    a step of a drafting head costs."""
 
-    def __init__(self, cfg) -> None:
-        self.cfg = cfg
-        self.gain = 1.0  # head tokens accepted per drafted step (optimistic: a new request tries the head)
-        self.cost = 0.0  # the head's milliseconds per drafted step
-        self.ms: float | None = None  # this step's, when the head drafted
-        self.rested = 0  # steps since the head last drafted
+    def __init__(self, cfg, clock=time.perf_counter) -> None:
+        self.cfg, self.clock = cfg, clock
+        self.rate: dict[bool, float | None] = {True: None, False: None}  # tokens per ms, with / without the head
+        self.seen = {True: 0, False: 0}  # steps measured per arm
+        self.since = 0  # steps since the slower arm was last tried
+        self.on: bool | None = None  # this step's arm, until `observe`
+        self.t = 0.0
+        self.warm = False  # the head's first step (the prompt's catch-up) is done
 
-    def drafts(self, step_ms: float) -> bool:
+    def drafts(self) -> bool:
         c = self.cfg
-        if c.probe_every == 0 or self.gain * step_ms >= self.cost or self.rested + 1 >= c.probe_every:
+        if c.probe_every == 0:
             return True
-        self.rested += 1
-        return False
+        if not self.warm:
+            self.warm, self.on = True, None
+            return True
+        if self.rate[True] is None or self.rate[False] is None:
+            on = self.rate[True] is None
+        else:
+            on = self.rate[True] >= self.rate[False]
+            self.since += 1
+            if self.since >= c.probe_every:
+                on, self.since = not on, 0
+        self.on, self.t = on, self.clock()
+        return on
 
-    def observe(self, accepted: int) -> None:
-        if self.ms is None:
+    def observe(self, tokens: int) -> None:
+        if self.on is None:
             return
-        a = self.cfg.pay_rate
-        first = self.cost == 0.0
-        self.cost = self.ms if first else (1 - a) * self.cost + a * self.ms
-        self.gain = (1 - a) * self.gain + a * accepted
-        self.ms, self.rested = None, 0
+        arm, self.on = self.on, None
+        rate = tokens / max((self.clock() - self.t) * 1e3, 1e-6)
+        self.seen[arm] += 1
+        w = max(self.cfg.pay_rate, 1.0 / self.seen[arm])
+        old = self.rate[arm]
+        self.rate[arm] = rate if old is None else (1 - w) * old + w * rate
 
 
 class DeviceAwareGoose(GoosePaper):
@@ -131,11 +148,12 @@ class DeviceAwareGoose(GoosePaper):
         """The context/memory spine tree's candidates (`_spine_candidates`), with the draft head's tree merged in
         when there is a head: each head node priced by its group's learned acceptance (`head_key`)."""
         base = self._spine_candidates(anchor, prev, max_depth, min_prob)
-        if self.drafter is None or not self._head.drafts(self.cost(1) if self.cost is not None else 0.0):
+        if self.drafter is None:
             return base
-        t = time.perf_counter()
+        if not self._head.drafts():
+            self.hst.skip()
+            return base
         htree, _ = self.drafter.grow(self.hst, anchor, max_depth, min_prob)
-        self._head.ms = (time.perf_counter() - t) * 1e3
         if len(htree) == 1:
             return base
         hq = [1.0] + self.acc.node_probs(htree, self._kind)[0][1:]
@@ -237,7 +255,7 @@ class DeviceAwareGoose(GoosePaper):
 
     def observe(self, tree: DraftTree, walk: WalkResult) -> None:
         super().observe(tree, walk)
-        self._head.observe(sum(tree.sources[i] == HEAD for i in walk.path[1:]))
+        self._head.observe(len(walk.path))
         if len(tree) > 1:
             self.acc.update(tree, self.acc.keys(tree, self._kind), walk)
         self._observe_unbuilt(tree, walk)
