@@ -33,7 +33,7 @@ def _model(seed):
     return _MODELS[seed]
 
 
-def eagle(model, folder, depth=5, top_k=4, cost=FLAT, catch_up=256) -> Eagle2:
+def eagle(model, folder, depth=5, top_k=4, cost=FLAT, catch_up=64) -> Eagle2:
     return Eagle2(EagleConfig(head=str(folder), depth=depth, top_k=top_k, catch_up=catch_up), cost)
 
 
