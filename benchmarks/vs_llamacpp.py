@@ -20,6 +20,9 @@ against llama.cpp's (their float arithmetic differs; reported, not required).
 (On a VM whose CPU lists AMX, llama.cpp's native build crashed at the first token, SIGILL or SIGSEGV: build
 it with the CMAKE_ARGS given in docs/performance-log.md §7, which turn AMX off and keep AVX-512.)
     .venv/bin/python benchmarks/vs_llamacpp.py --limit 1 --max-new-tokens 128
+    .venv/bin/python benchmarks/vs_llamacpp.py --engines llama,goose-ar-int8,goose-int8 --busy 2   # a contended CPU
+
+`--busy N` starts N Python busy loops (`while True: pass`) before each engine's process and kills them after it.
 
 Writes OUT/vs_llamacpp.json and OUT/vs_llamacpp.md. Not part of `make test`.
 """
@@ -122,6 +125,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--llama-python", default=str(ROOT / ".venv-llama" / "bin" / "python"))
+    ap.add_argument("--busy", type=int, default=0, help="busy-loop processes beside every engine (a contended CPU)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "vs_llamacpp"))
     args = ap.parse_args()
     if args.worker:
@@ -150,8 +154,14 @@ def main() -> None:
     for name in args.engines.split(","):
         py = args.llama_python if name.startswith("llama") else sys.executable
         print(f"[{name}] {len(prompts)} prompts", file=sys.stderr, flush=True)
-        proc = subprocess.run([py, __file__, "--worker", name, "--job", str(job)], capture_output=True, text=True,
-                              cwd=ROOT)
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+        try:
+            proc = subprocess.run([py, __file__, "--worker", name, "--job", str(job)], capture_output=True, text=True,
+                                  cwd=ROOT)
+        finally:
+            for b in busy:
+                b.kill()
+                b.wait()
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or line is None:
             raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -159,7 +169,8 @@ def main() -> None:
     same = lambda a, b: sum(x["tokens"] == y["tokens"] for x, y in zip(results[a]["rows"], results[b]["rows"]))  # noqa: E731
     n = len(prompts)
     lines = [f"CPU: {cpu_name()}, {args.threads} threads; {gguf.name}; {n} prompts (chat template), greedy, "
-             f"{args.max_new_tokens} new tokens each (end-of-sequence ignored)", "",
+             f"{args.max_new_tokens} new tokens each (end-of-sequence ignored)"
+             + (f"; beside {args.busy} busy-loop processes" if args.busy else ""), "",
              "| engine | decode tok/s | end-to-end tok/s | TTFT median ms | peak RSS MB | equals its plain decoding "
              "| equals llama.cpp plain |", "|---|---|---|---|---|---|---|"]
     summary = {}
