@@ -374,3 +374,12 @@ def test_no_text_without_chat_names_the_chat_flag(capsys):
     assert code == 0 and out.strip() == "" and "--chat" in err
     code, out, err = run(argv + ["--chat"], capsys)
     assert code == 0 and out.strip() and "--chat" not in err
+
+
+def test_train_head_refuses_a_bad_learning_rate_or_epochs_before_loading(tmp_path, capsys):
+    for flag, value, words in (("--lr", "0", "--lr must be in (0, 1], got 0.0"),
+                               ("--lr", "2", "--lr must be in (0, 1], got 2.0"),
+                               ("--epochs", "0", "--epochs must be in (0, 100], got 0.0")):
+        code, _, err = run(["train-head", "--out", str(tmp_path / "h"), flag, value], capsys)
+        assert code == 2 and err == f"goose: error: {words}\n"
+        assert not (tmp_path / "h").exists()
