@@ -47,7 +47,7 @@ class _HeadPay:
 
     def __init__(self, cfg, clock=time.perf_counter) -> None:
         self.cfg, self.clock = cfg, clock
-        self.rate: dict[bool, float | None] = {True: None, False: None}  # tokens per ms, with / without the head
+        self.rate = {True: 0.0, False: 0.0}  # tokens per ms, with / without the head
         self.seen = {True: 0, False: 0}  # steps measured per arm
         self.since = 0  # steps since the slower arm was last tried
         self.on: bool | None = None  # this step's arm, until `observe`
@@ -61,8 +61,8 @@ class _HeadPay:
         if not self.warm:
             self.warm, self.on = True, None
             return True
-        if self.rate[True] is None or self.rate[False] is None:
-            on = self.rate[True] is None
+        if not self.seen[True] or not self.seen[False]:
+            on = not self.seen[True]
         else:
             on = self.rate[True] >= self.rate[False]
             self.since += 1
@@ -77,9 +77,8 @@ class _HeadPay:
         arm, self.on = self.on, None
         rate = tokens / max((self.clock() - self.t) * 1e3, 1e-6)
         self.seen[arm] += 1
-        w = max(self.cfg.pay_rate, 1.0 / self.seen[arm])
-        old = self.rate[arm]
-        self.rate[arm] = rate if old is None else (1 - w) * old + w * rate
+        w = max(self.cfg.pay_rate, 1.0 / self.seen[arm])  # (the first sample: w = 1)
+        self.rate[arm] += w * (rate - self.rate[arm])
 
 
 class DeviceAwareGoose(GoosePaper):
