@@ -54,10 +54,13 @@ class HeadState:
     def commit(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
 
-    def skip(self) -> None:
-        """Leave the pending positions out of the head's cache (a step the head does not draft)."""
-        self.fpos += sum(len(f) for f in self.feats)
-        self.feats = []
+    def skip(self, keep: int = 0) -> None:
+        """Leave the pending positions but the last `keep` out of the head's cache (0: a step the head does not
+        draft in `goose`; `EagleConfig.catch_up`: before a catch-up)."""
+        drop = sum(len(f) for f in self.feats) - keep
+        if drop > 0:
+            self.fpos += drop
+            self.feats = [torch.cat(self.feats)[drop:]] if keep else []
 
 
 def find_head(model, cfg: EagleConfig, required: bool) -> DraftHead | None:
@@ -106,14 +109,11 @@ class HeadDrafter:
     def _catch_up(self, st: HeadState) -> torch.Tensor | None:
         """Run the head over the pending positions, the last `EagleConfig.catch_up` of them (their rows join its
         cache, each at its own position); the last row's output, or None when there is none to run."""
+        st.skip(self.cfg.catch_up)  # the oldest pending positions stay out of the head's cache
         if not st.feats:
             return None
         feats = torch.cat(st.feats)
         st.feats = []
-        skip = max(0, len(feats) - self.cfg.catch_up)  # the oldest pending positions stay out of the head's cache
-        if skip:
-            feats = feats[skip:]
-            st.fpos += skip
         n = len(feats)
         toks = torch.tensor(st.tokens[st.fpos + 1 : st.fpos + 1 + n])
         if len(toks) != n:
