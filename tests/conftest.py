@@ -10,9 +10,12 @@ from hypothesis import strategies as st
 
 from goose.config import GooseConfig, NgramConfig, SpineTreeConfig
 from goose.drafting.datastore import Datastore, from_token_ids
+from goose.selection.costmodel import CostCurve
 
 TINY_VOCAB = 96
 TINY_EOS = 1
+# A CPU-like cost curve (ms per forward by rows): a second row costs most, 4-8 rows little more
+CPU_CURVE = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (58, 93, 95, 98, 118, 154, 232, 407))
 
 
 def make_tiny_llama(dtype=torch.float64, seed: int = 0, vocab: int = TINY_VOCAB, layers: int = 2):

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from conftest import TINY_EOS, TINY_VOCAB, hf_greedy, peaked
+from conftest import CPU_CURVE, TINY_EOS, TINY_VOCAB, hf_greedy, peaked
 from goose.backends.forward import FULL, SLIDING, HFForward, attention_layers
 from goose.backends.lean import LeanForward
 from goose.backends.tree_tensors import ancestor_mask, tree_depths
@@ -18,7 +18,6 @@ from goose.config import DecodeConfig
 from goose.decoding import Decoder, default_forward
 from goose.drafting.tree import BRANCH, DraftTree
 from goose.errors import GooseError
-from goose.selection.costmodel import CostCurve
 
 WINDOW = 8
 SMALL = dict(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -115,7 +114,6 @@ def test_tree_logits_equal_plain_forward_over_each_path(arch):
         torch.testing.assert_close(logits, ref, rtol=1e-9, atol=1e-9)
 
 
-CPU = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (58, 93, 95, 98, 118, 154, 232, 407))
 METHODS = ("ar", "pld", "tr", "goose", "goose-paper")
 
 
@@ -136,7 +134,7 @@ def test_every_method_equals_greedy_generate(arch):
     for prompt in _prompts(ARCHS.index(arch)):
         ref = hf_greedy(model, prompt, 30)
         for method in METHODS:
-            dec = Decoder(model, None, method, cost=CPU)
+            dec = Decoder(model, None, method, cost=CPU_CURVE)
             out, stats = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=30))
             assert out == ref, f"{arch}: {method} diverged from greedy generate on {prompt}"
             assert stats.new_tokens == len(out)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_VOCAB, hf_greedy, make_tiny_llama, prompts, random_head
+from conftest import CPU_CURVE, TINY_VOCAB, hf_greedy, make_tiny_llama, prompts, random_head
 from goose.backends.forward import HFForward
 from goose.backends.head import load_head, save_head
 from goose.backends.lean import LeanForward
@@ -22,7 +22,7 @@ from goose.errors import GooseError
 from goose.selection.costmodel import CostCurve
 
 FLAT = CostCurve((1, 128), (10, 10.5))  # rows nearly free: the selector verifies every candidate
-CURVES = {"flat": FLAT, "cpu": CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (58, 93, 95, 98, 118, 154, 232, 407))}
+CURVES = {"flat": FLAT, "cpu": CPU_CURVE}
 
 _MODELS: dict = {}
 

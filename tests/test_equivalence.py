@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_EOS, TINY_VOCAB, configs, hf_greedy, make_tiny_llama, method_for, prompts
+from conftest import CPU_CURVE, TINY_EOS, TINY_VOCAB, configs, hf_greedy, make_tiny_llama, method_for, prompts
 from goose.backends.forward import HFForward
 from goose.backends.lean import LeanForward
 from goose.backends.tree_tensors import ancestor_mask, tree_depths
@@ -70,7 +70,7 @@ def test_compacted_kv_equals_fresh_prefill(tiny_model, seed):
 
 # Cost curves for the device-aware method: CPU-like (small trees), flat (big trees), steep (mostly AR).
 CURVES = {
-    "cpu": CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (58, 93, 95, 98, 118, 154, 232, 407)),
+    "cpu": CPU_CURVE,
     "flat": CostCurve((1, 128), (10, 10.5)),
     "steep": CostCurve((1, 2, 128), (10, 40, 1000)),
 }

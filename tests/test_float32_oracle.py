@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_EOS, configs, make_tiny_llama, method_for, prompts
+from conftest import CPU_CURVE, TINY_EOS, configs, make_tiny_llama, method_for, prompts
 from goose.backends import cpukernel
 from goose.backends.packed import PackedLinear, pack_float32
 from goose.config import DecodeConfig
@@ -29,7 +29,7 @@ from goose.engine.methods import METHODS
 from goose.selection.costmodel import CostCurve
 
 CURVES = {
-    "cpu": CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (58, 93, 95, 98, 118, 154, 232, 407)),
+    "cpu": CPU_CURVE,
     "flat": CostCurve((1, 128), (10, 10.5)),
     "steep": CostCurve((1, 2, 128), (10, 40, 1000)),
 }

@@ -6,17 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import CPU_CURVE
 from goose.backends.forward import HFForward
 from goose.bench.datasets import humaneval
 from goose.cli import first_mismatch
 from goose.config import DecodeConfig
 from goose.decoding import Decoder
 from goose.loading.model import load_model
-from goose.selection.costmodel import CostCurve
 
 MAX_NEW = 24
-# A fixed CPU-like cost curve: trees of a few nodes (no timing measured during the test).
-CPU = CostCurve((1, 2, 4, 8, 16, 32, 64, 128), (58, 93, 95, 98, 118, 154, 232, 407))
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +50,7 @@ def test_gemma_takes_the_generic_forward_with_windowed_masks(gemma):
 @pytest.mark.parametrize("method", ["ar", "pld", "goose"])
 def test_method_equals_generate_on_gemma(gemma, references, method):
     model, tok = gemma
-    dec = Decoder(model, tok, method, cost=CPU)
+    dec = Decoder(model, tok, method, cost=CPU_CURVE)
     for name, (ids, ref) in references.items():
         out, _ = dec.generate_ids(ids, DecodeConfig(max_new_tokens=MAX_NEW))
         assert out == ref, (f"{method} on {name}: first mismatch (tie if the two logits are within ~1e-4): "

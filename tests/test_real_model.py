@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import CPU_CURVE
 from goose.cli import first_mismatch
 from goose.decoding import Decoder
 from goose.drafting import datastore
@@ -116,7 +117,7 @@ def test_engine_serves_eight_concurrent_prompts_token_identical(smollm, referenc
     from goose.engine import scheduler
     from goose.selection.costmodel import BatchCostCurve
 
-    sizes, ms = (1, 2, 4, 8, 16, 32, 64, 128), (58, 93, 95, 98, 118, 154, 232, 407)
+    sizes, ms = CPU_CURVE.sizes, CPU_CURVE.ms
     fixed = BatchCostCurve(tuple((b, CostCurve(sizes, tuple(m * (1 + 0.05 * (b - 1)) for m in ms)))
                                  for b in (1, 2, 4, 8)))
     monkeypatch.setattr(scheduler, "load_or_measure_batch", lambda *a, **k: fixed)
