@@ -369,11 +369,26 @@ def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path):
     toks = torch.tensor([5, 9, 11, 3])
     feats = torch.randn(4, 32)
     pos = torch.arange(4)
-    with torch.no_grad():
-        ref = head.logits(head.layer(toks[None], feats[None], pos[None])[0])[0]
-        got = fast.logits(fast.layer(toks, feats, pos, HeadCache(), 0))
     tol = 0.1 if fast.kind.startswith("q8") else 1e-4
-    assert (got - ref).abs().max() <= tol * ref.abs().max()
+    mine, theirs = HeadCache(), HeadCache()
+    with torch.no_grad():
+        ref = head.logits(head.layer(toks[None], feats[None], pos[None], cache=theirs, at=0)[0])[0]
+        got = fast.logits(fast.layer(toks, feats, pos, mine, 0))
+        assert (got - ref).abs().max() <= tol * ref.abs().max()
+        # draft rows of a tree: two rows at 4-5, then three at 6-8 that see the cache before row 4 and, of rows
+        # 4..8, what `allowed` says (back = 2: the mask starts two rows before the call's own)
+        for at, n, allowed, back in ((4, 2, torch.eye(2, dtype=torch.bool), 0),
+                                     (6, 3, torch.tensor([[1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [1, 0, 0, 0, 1]],
+                                                         dtype=torch.bool), 2)):
+            t, f, p = torch.randint(0, 64, (n,)), torch.randn(n, 32), torch.full((n,), 4)
+            mask = torch.cat([torch.ones(n, at - back, dtype=torch.bool), allowed], dim=1)
+            ref = head.logits(head.layer(t[None], f[None], p[None], mask=mask, cache=theirs, at=at)[0])[0]
+            got = fast.logits(fast.layer(t, f, p, mine, at, allowed, back))
+            assert (got - ref).abs().max() <= tol * ref.abs().max()
+    # the masks matter: the same rows seeing every earlier row give other drafts
+    with torch.no_grad():
+        every = fast.logits(fast.layer(t, f, p, mine, at))
+    assert (every - got).abs().max() > 1e-3 * got.abs().max()
 
 
 def _run_arms(pay, steps: int, with_head: tuple[float, int], without: tuple[float, int]) -> list[bool]:

@@ -285,6 +285,35 @@ def test_layer_plan_refuses_mismatched_input(llama32):
                                      first.qkv.op(), first.o.op(), first.down.op(), first.gate_up.op())])
 
 
+@pytest.mark.skipif(cpukernel.kernel() is None, reason="goose's float32 kernel is unavailable")
+def test_head_layer_is_bit_identical_to_its_projection_and_a_layer_plan(llama32):
+    """A draft head's step in one call (`CpuKernels.head_layer`) gives the bits of its input projection followed
+    by the one-layer plan over an attention step, on a cache prefix, a causal block and a tree block."""
+    from goose.backends.packed import PanelWeight
+
+    fwd = LeanForward(llama32)
+    ck, L = fwd.attn_kernel, fwd.layers[0]
+    entry = (L.ln1.contiguous(), L.eps1, L.ln2.contiguous(), L.eps2, *[x.op() for x in (L.qkv, L.o, L.gate_up, L.down)])
+    hid, kh, d = entry[4].k, fwd.n_kv, fwd.head_dim
+    g = torch.Generator().manual_seed(0)
+    fcw = PanelWeight.pack(ck, torch.randn(hid, 2 * hid, generator=g) * 0.05)
+    step = ck.head_layer(ck.op(fcw.data, hid, None), entry, fwd.n_heads)
+    plan = ck.layer_plan([entry])
+    mine, ref = torch.zeros(1, 2, kh, 32, d), torch.zeros(1, 2, kh, 32, d)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    for p, m, allowed in ((0, 5, None), (5, 3, None), (8, 3, tree)):
+        inp, cos, sin = torch.randn(m, 2 * hid, generator=g), torch.randn(m, d, generator=g), torch.randn(m, d,
+                                                                                                           generator=g)
+        got = step(inp, cos, sin, mine[0, 0], mine[0, 1], p, allowed)
+        x = fcw.linear(inp)
+        plan(x, ck.attention_batch([ck.attention_step(fwd.n_heads, cos, sin, ref, p, allowed, d ** -0.5)]))
+        assert torch.equal(got, x) and torch.equal(mine, ref)
+    with pytest.raises(ValueError, match="allowed"):
+        step(inp, cos, sin, mine[0, 0], mine[0, 1], 11, tree, back=1)  # allowed is [3, 3], back 1 needs [3, 4]
+    with pytest.raises(ValueError, match="shapes"):
+        step(inp, cos, sin, mine[0, 0], mine[0, 1], 30)  # rows 30..32 past the cache's 32
+
+
 def _cache(fwd) -> torch.Tensor:
     cache = fwd.new_cache()
     cache.reset()

@@ -538,7 +538,7 @@ inline void scores512(const float* qp, const E* keys, int64_t T, int D, float sc
 
 extern "C" {
 
-int goose_kernels_abi(void) { return 11; }
+int goose_kernels_abi(void) { return 12; }
 
 #ifdef __AVX512F__
 int goose_kernels_isa(void) { return 512; }
@@ -610,9 +610,10 @@ struct Segment {
   float* keys;             // this layer's cache of the sequence, [Kh][cap][D] (null when held in bfloat16)
   float* vals;             // [Kh][cap][D]
   int64_t cap, p;
-  const uint8_t* allowed;  // [n, n] or null (causal)
+  const uint8_t* allowed;  // [n, back + n] or null (causal)
   uint16_t* keys16 = nullptr;  // the cache held in bfloat16 instead (keys, vals null), [Kh][cap][D] each
   uint16_t* vals16 = nullptr;
+  int64_t back = 0;  // cached keys p-back..p-1 that `allowed` also governs (0: every cached key is seen)
 };
 
 // ---- a cache held in bfloat16 ----
@@ -639,13 +640,14 @@ inline void bf16_to_float(const uint16_t* src, int64_t n, float* dst) {
 }
 
 // The softmax numerators of new token i's scores sr [Tv] over segment g (a tree row masks the new tokens it does
-// not see first), in place; returns 1 / their sum. `rest`: scratch of g.n + 16 floats.
+// not see first), in place; returns 1 / their sum. `rest`: scratch of g.back + g.n + 16 floats.
 inline float row_softmax(const Segment& g, int64_t i, float* sr, int64_t Tv, float* rest) {
   if (!g.allowed) return softmax_numerators(sr, Tv);
-  const uint8_t* seen = g.allowed + i * g.n;
-  for (int64_t t = 0; t < g.n; ++t)
-    if (!seen[t]) sr[g.p + t] = -INFINITY;
-  return softmax_numerators(sr, Tv, seen, g.n, rest);
+  const int64_t w = g.back + g.n;  // the keys the mask governs: p-back .. p+n-1
+  const uint8_t* seen = g.allowed + i * w;
+  for (int64_t t = 0; t < w; ++t)
+    if (!seen[t]) sr[g.p - g.back + t] = -INFINITY;
+  return softmax_numerators(sr, Tv, seen, w, rest);
 }
 
 // The new tokens' rotated keys and their values, written into each sequence's cache before any row reads them.
@@ -687,7 +689,7 @@ void attention(const float* qkv, int64_t H, int64_t Kh, int64_t D, const Segment
     const Segment& g = segs[s];
     first[s + 1] = first[s] + g.n * Kh * groups;
     longest = g.p + g.n > longest ? g.p + g.n : longest;
-    widest = g.n > widest ? g.n : widest;
+    widest = g.back + g.n > widest ? g.back + g.n : widest;
   }
   const int64_t lds = longest + 8;
 #pragma omp parallel
@@ -1035,7 +1037,7 @@ void attention_groups(const float* qkv, int64_t H, int64_t Kh, int64_t D, const 
   int64_t widest = 0, wave_floats = 0, arena = 0;
   for (int64_t s = 0; s < nseg; ++s) {
     const Segment& g = segs[s];
-    widest = g.n > widest ? g.n : widest;
+    widest = g.back + g.n > widest ? g.back + g.n : widest;
     for (int64_t kv = 0; kv < Kh; ++kv)
       for (int64_t q0 = 0; q0 < g.n * G; q0 += kGroupRows) {
         const int R = static_cast<int>(g.n * G - q0 < kGroupRows ? g.n * G - q0 : kGroupRows), S = (R + M - 1) / M * M;
@@ -1274,8 +1276,7 @@ void goose_attention_plain(const float* qkv, int64_t n, int64_t H, int64_t Kh, i
 // sequence's [layers][2][Kh][cap][D] cache), cap, p, allowed (pointer or 0), kv16 (1: the cache is bfloat16).
 // `layer` picks the cache layer.
 // Every row's result is the one goose_attention gives for its segment alone.
-void goose_attention_batch(const float* qkv, int64_t H, int64_t Kh, int64_t D, int64_t nseg, const int64_t* desc,
-                           int64_t layer, float scale, float* out) {
+static std::vector<Segment> batch_segments(int64_t Kh, int64_t D, int64_t nseg, const int64_t* desc, int64_t layer) {
   std::vector<Segment> segs(nseg);
   for (int64_t s = 0; s < nseg; ++s) {
     const int64_t* e = desc + 9 * s;
@@ -1284,6 +1285,12 @@ void goose_attention_batch(const float* qkv, int64_t H, int64_t Kh, int64_t D, i
     segs[s] = segment(e[0], e[1], reinterpret_cast<const float*>(e[2]), reinterpret_cast<const float*>(e[3]), cache,
                       cache + half * bytes, e[5], e[6], reinterpret_cast<const uint8_t*>(e[7]), static_cast<int>(e[8]));
   }
+  return segs;
+}
+
+void goose_attention_batch(const float* qkv, int64_t H, int64_t Kh, int64_t D, int64_t nseg, const int64_t* desc,
+                           int64_t layer, float scale, float* out) {
+  const std::vector<Segment> segs = batch_segments(Kh, D, nseg, desc, layer);
   attention_best(qkv, H, Kh, D, segs.data(), nseg, scale, out);
 }
 
@@ -1323,16 +1330,36 @@ static void plan_linear(const PlanLinear& op, const float* x, int64_t M, float* 
                                                                norm, eps, gated, accumulate);
 }
 
+static void plan_layer(const PlanLayer& P, float* x, int64_t M, float* qkv, float* att, float* gu, int64_t H,
+                       int64_t Kh, int64_t D, const Segment* segs, int64_t nseg, float scale) {
+  plan_linear(P.qkv, x, M, qkv, P.ln1, P.eps1, 0, 0);
+  attention_best(qkv, H, Kh, D, segs, nseg, scale, att);
+  plan_linear(P.o, att, M, x, nullptr, 0.0f, 0, 1);
+  plan_linear(P.gate_up, x, M, gu, P.ln2, P.eps2, 0, 0);
+  plan_linear(P.down, gu, M, x, nullptr, 0.0f, 1, 1);
+}
+
 void goose_layers(const PlanLayer* plan, int64_t layers, float* x, int64_t M, float* qkv, float* att, float* gu,
                   int64_t H, int64_t Kh, int64_t D, int64_t nseg, const int64_t* desc, float scale) {
   for (int64_t l = 0; l < layers; ++l) {
-    const PlanLayer& P = plan[l];
-    plan_linear(P.qkv, x, M, qkv, P.ln1, P.eps1, 0, 0);
-    goose_attention_batch(qkv, H, Kh, D, nseg, desc, l, scale, att);
-    plan_linear(P.o, att, M, x, nullptr, 0.0f, 0, 1);
-    plan_linear(P.gate_up, x, M, gu, P.ln2, P.eps2, 0, 0);
-    plan_linear(P.down, gu, M, x, nullptr, 0.0f, 1, 1);
+    const std::vector<Segment> segs = batch_segments(Kh, D, nseg, desc, l);
+    plan_layer(plan[l], x, M, qkv, att, gu, H, Kh, D, segs.data(), nseg, scale);
   }
+}
+
+// A draft head's step (goose.backends.head.FastHead) in one call: x [M, hid] = fc(in [M, fc.k]) (a row's token
+// embedding and the target's feature side by side), then the decoder layer P as goose_layers runs it, over one
+// sequence's float32 cache keys, vals [Kh][cap][D]: the M rows are written at p..p+M-1 (rotary tables cos, sin
+// [M, D]) and see every key before p - back; keys p-back .. p+M-1 as allowed [M, back + M] (uint8) says, or,
+// with allowed null, causally (back 0). qkv, att, gu: scratch as goose_layers'.
+void goose_head_layer(const PlanLinear* fc, const PlanLayer* P, const float* in, int64_t M, float* x, float* qkv,
+                      float* att, float* gu, int64_t H, int64_t Kh, int64_t D, const float* cos, const float* sin,
+                      float* keys, float* vals, int64_t cap, int64_t p, const uint8_t* allowed, int64_t back,
+                      float scale) {
+  plan_linear(*fc, in, M, x, nullptr, 0.0f, 0, 0);
+  Segment seg = segment(M, 0, cos, sin, keys, vals, cap, p, allowed, 0);
+  seg.back = allowed ? back : 0;
+  plan_layer(*P, x, M, qkv, att, gu, H, Kh, D, &seg, 1, scale);
 }
 
 // The k largest values of each row of x [n, V] (row stride ldx) in descending order, ties to the lower

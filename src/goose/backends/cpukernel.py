@@ -68,7 +68,7 @@ VARIANTS = {
 }
 ORDER = ("avx512", "avx2")
 PANEL = 16  # output columns per packed panel (must match kPanel in the source)
-ABI = 11  # goose_kernels_abi() of this version of the source
+ABI = 12  # goose_kernels_abi() of this version of the source
 ENV_SWITCH = "GOOSE_CPU_KERNEL"
 ENV_VARIANT = "GOOSE_KERNEL_VARIANT"
 
@@ -219,6 +219,11 @@ class CpuKernels:
         self._layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
+        self._head_layer = lib.goose_head_layer
+        self._head_layer.restype = None
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._head_layer.argtypes = [ptr] * 3 + [i64] + [ptr] * 4 + [i64] * 3 + [ptr] * 4 + [i64] * 2 + [ptr, i64,
+                                                                                                     ctypes.c_float]
         self._linear_address = ctypes.cast(lib.goose_linear, ctypes.c_void_p).value
 
     @staticmethod
@@ -310,6 +315,11 @@ class CpuKernels:
         ``(ln1 [hid], eps1, ln2 [hid], eps2, qkv, o, gate_up, down)``, the last four `PlanOp`s (from this
         kernel's or the quantized kernel's `op`)."""
         return LayerPlan(self._layers, layers)
+
+    def head_layer(self, fc: "PlanOp", layer: tuple, n_heads: int) -> "HeadLayer":
+        """A draft head's input projection `fc` (``[hid, fc.k]``) and its one decoder layer (a `layer_plan` entry;
+        `ln1` may be None: no norm before attention) over one sequence's cache, in one kernel call per step."""
+        return HeadLayer(self._head_layer, fc, LayerPlan(self._layers, [layer]), n_heads)
 
     def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest values of each row of ``x [n, V]`` (float32, CPU, unit stride along rows), in
@@ -522,11 +532,12 @@ class LayerPlan:
                     or gate_up.n != 2 * inter or down.k != inter):
                 raise ValueError("layer_plan: the layers' projections do not chain (hid -> qkv, o -> hid, "
                                  "hid -> 2 I, I -> hid)")
-            for norm in (ln1, ln2):
+            for norm in (ln1, ln2) if ln1 is not None else (ln2,):  # (a draft head may have no ln1)
                 _check(norm, "layer_plan: norm weight", dims=1, contiguous=True)
                 if norm.shape[0] != hid:
                     raise ValueError(f"layer_plan: a norm weight has {norm.shape[0]} entries, not {hid}")
-            entry.ln1, entry.ln2, entry.eps1, entry.eps2 = ln1.data_ptr(), ln2.data_ptr(), float(eps1), float(eps2)
+            entry.ln1 = None if ln1 is None else ln1.data_ptr()
+            entry.ln2, entry.eps1, entry.eps2 = ln2.data_ptr(), float(eps1), float(eps2)
             for name, op in zip(("qkv", "o", "gate_up", "down"), ops):
                 setattr(entry, name, _PlanLinear(op.fn, op.fmt, op.weight.data_ptr(), op.n, op.k,
                                                  None if op.bias is None else op.bias.data_ptr()))
@@ -549,6 +560,49 @@ class LayerPlan:
         gu = torch.empty(m, 2 * self.intermediate, dtype=torch.float32)
         self._fn(ctypes.addressof(self._table), self.layers, x.data_ptr(), m, qkv.data_ptr(), att.data_ptr(),
                  gu.data_ptr(), h, kh, d, len(batch._steps), batch._desc.data_ptr(), batch._scale)
+        return x
+
+
+class HeadLayer:
+    """``layer(inp, cos, sin, keys, vals, p)``: a draft head's step in one kernel call (``goose_head_layer`` in the
+    source; `CpuKernels.head_layer`): ``x = fc(inp [M, fc.k])``, then the decoder layer over one sequence's float32
+    cache ``keys, vals [Kh, cap, D]``, the M rows written at ``p .. p + M - 1`` (rotary tables ``cos, sin
+    [M, D]``). The rows see every cached key before ``p - back``; keys ``p - back .. p + M - 1`` as ``allowed
+    [M, back + M]`` (bool) says, or causally (allowed None). Returns ``x [M, hid]``."""
+
+    def __init__(self, fn, fc: PlanOp, plan: "LayerPlan", n_heads: int) -> None:
+        if fc.n != plan.hidden:
+            raise ValueError(f"head_layer: fc gives {fc.n} features, the layer takes {plan.hidden}")
+        self._fn, self._plan, self._fc_op, self.heads = fn, plan, fc, int(n_heads)
+        self._fc = _PlanLinear(fc.fn, fc.fmt, fc.weight.data_ptr(), fc.n, fc.k,
+                               None if fc.bias is None else fc.bias.data_ptr())
+
+    def __call__(self, inp: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                 vals: torch.Tensor, p: int, allowed: torch.Tensor | None = None, back: int = 0) -> torch.Tensor:
+        plan = self._plan
+        m = inp.shape[0]
+        kh, cap, d = keys.shape if keys.dim() == 3 else (0, 0, 0)
+        h = self.heads
+        if (inp.dim() != 2 or inp.shape[1] != self._fc_op.k or m < 1 or kh < 1 or h % kh
+                or (h + 2 * kh) * d != plan.qkv_width or vals.shape != keys.shape or not 0 <= p <= cap - m
+                or cos.shape != (m, d) or sin.shape != (m, d)):
+            raise ValueError("head layer: inconsistent shapes")
+        for t in (inp, cos, sin, keys, vals):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("head layer: float32 contiguous CPU tensors only")
+        mask = None
+        if allowed is not None:
+            if allowed.shape != (m, back + m) or not 0 <= back <= p or allowed.dtype != torch.bool:
+                raise ValueError(f"head layer: allowed must be bool [{m}, {back + m}] with back in 0..{p}")
+            mask = allowed.to(torch.uint8).contiguous()
+        x = torch.empty(m, plan.hidden, dtype=torch.float32)
+        qkv = torch.empty(m, plan.qkv_width, dtype=torch.float32)
+        att = torch.empty(m, h * d, dtype=torch.float32)
+        gu = torch.empty(m, 2 * plan.intermediate, dtype=torch.float32)
+        self._fn(ctypes.addressof(self._fc), ctypes.addressof(plan._table), inp.data_ptr(), m, x.data_ptr(),
+                 qkv.data_ptr(), att.data_ptr(), gu.data_ptr(), h, kh, d, cos.data_ptr(), sin.data_ptr(),
+                 keys.data_ptr(), vals.data_ptr(), cap, p, None if mask is None else mask.data_ptr(),
+                 back if mask is not None else 0, d ** -0.5)
         return x
 
 

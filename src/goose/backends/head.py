@@ -199,74 +199,71 @@ def q8_0_rows(w: torch.Tensor):
 
 
 class FastHead:
-    """The head's forward for drafting on goose's CPU kernels: each projection reads its weight once per call,
-    with the RMSNorms, silu(gate) * up and the residual adds fused into the projections. The weights are held
-    as Q8_0 blocks times 8-bit activations (`goose.backends.int8`: a quarter of float32's bytes) where those
-    kernels run, else as goose's float32 panels. Only drafts depend on the head, so its arithmetic is free."""
+    """The head's forward for drafting on goose's CPU kernels: its input projection and decoder layer in one kernel
+    call per step (`CpuKernels.head_layer`: each projection reads its weight once, with the RMSNorms, silu(gate) * up
+    and the residual adds fused in, attention on the head's cache as the target's), the logits in one more. The
+    weights are held as Q8_0 blocks times 8-bit activations (`goose.backends.int8`: a quarter of float32's bytes)
+    where those kernels run, else as goose's float32 panels. Only drafts depend on the head, so its arithmetic is
+    free."""
 
     def __init__(self, head: "DraftHead") -> None:
         from . import cpukernel, int8, quant
         from .packed import PanelWeight
 
         c = head.cfg
-        ik, qk = int8.kernels(), quant.kernels_or_none()
-        ck = cpukernel.kernel() if cpukernel.unavailable_reason() is None else None
-        if ck is None and (ik is None or qk is None):
-            raise GooseError("goose's CPU kernels cannot run here")
+        if cpukernel.unavailable_reason() is not None:
+            raise GooseError(f"goose's CPU kernels cannot run here: {cpukernel.unavailable_reason()}")
+        ck, ik, qk = cpukernel.kernel(), int8.kernels(), quant.kernels_or_none()
         whole = all(w.shape[1] % 32 == 0 for w in (head.fc.weight, head.o_proj.weight, head.down_proj.weight))
+        blocks = ik is not None and qk is not None and whole
+        keep = []
 
-        def lin(w: torch.Tensor):
+        def op(w: torch.Tensor, bias: torch.Tensor | None = None):
+            """`w` packed for this arithmetic: its plan op and its `linear`."""
             w = w.detach().float().contiguous()
-            if ik is not None and qk is not None and whole:
+            b = None if bias is None else ck.pack_bias(bias.detach().float(), w.shape[0])
+            if blocks:
                 qw = qk.pack("Q8_0", q8_0_rows(w), w.shape[1])
-                return lambda x, **f: ik.linear(x, qw, qw.n, None, **f)
+                keep.append(qw)
+                return ik.op(qw, qw.n, b), lambda x, **f: ik.linear(x, qw, qw.n, b, **f)
             pw = PanelWeight.pack(ck, w)
-            return lambda x, **f: pw.linear(x, None, **f)
+            keep.append(pw)
+            return ck.op(pw.data, pw.n, b), lambda x, **f: pw.linear(x, b, **f)
 
-        self.kind = "q8_0-int8" if ik is not None and qk is not None and whole else "float32"
-        self.fc = lin(head.fc.weight)
-        self.qkv = lin(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]))
-        self.o = lin(head.o_proj.weight)
-        self.gate_up = lin(torch.cat([head.gate_proj.weight, head.up_proj.weight]))
-        self.down = lin(head.down_proj.weight)
-        out = head.lm_head.weight if head.lm_head is not None else head.embed_out
-        self.lm = lin(out)
-        eps = c.rms_norm_eps
-        norm = lambda w: None if w is None else (w.detach().float().contiguous(), eps)  # noqa: E731
-        self.ln1, self.ln2, self.norm = norm(head.ln1), norm(head.ln2), norm(head.norm)
-        self.fc_bias = None if head.fc.bias is None else head.fc.bias.detach().float()
+        self.kind = "q8_0-int8" if blocks else "float32"
+        eps = float(c.rms_norm_eps)
+        norm = lambda w: None if w is None else w.detach().float().contiguous()  # noqa: E731
+        fc, _ = op(head.fc.weight, head.fc.bias)
+        qkv, _ = op(torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]))
+        gate_up, _ = op(torch.cat([head.gate_proj.weight, head.up_proj.weight]))
+        layer = (norm(head.ln1), eps, norm(head.ln2), eps, qkv, op(head.o_proj.weight)[0], gate_up,
+                 op(head.down_proj.weight)[0])
+        self._step = ck.head_layer(fc, layer, c.num_attention_heads)
+        _, self.lm = op(head.lm_head.weight if head.lm_head is not None else head.embed_out)
+        self.norm = None if head.norm is None else (norm(head.norm), eps)
+        self._weights = keep  # the packed weights the plan points into
+        self._cos = self._sin = torch.empty(0, c.head_dim)
         self.head = head
 
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary tables ``[n, D]`` of `positions`, from tables grown by doubling."""
+        top = int(positions.max()) + 1
+        if top > len(self._cos):
+            self._cos, self._sin = self.head.rope(torch.arange(max(256, top, 2 * len(self._cos))))
+        return self._cos[positions], self._sin[positions]
+
     def layer(self, tokens: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor, cache: "HeadCache",
-              at: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+              at: int, allowed: torch.Tensor | None = None, back: int = 0) -> torch.Tensor:
         """`DraftHead.layer` for one sequence: rows ``[n]`` in, ``out [n, hidden]`` back; keys and values into
-        `cache` at `at`; `mask` ``[n, at + n]`` (default causal)."""
+        `cache` at `at`. The rows see the cache's rows before ``at - back``, and rows ``at - back .. at + n - 1``
+        as ``allowed [n, back + n]`` says (None: causally)."""
         c, head = self.head.cfg, self.head
-        n = tokens.shape[0]
         emb = head.embed
         emb = emb.rows_of(tokens.tolist()) if hasattr(emb, "rows_of") else emb[tokens].float()
-        x = self.fc(torch.cat([emb, feats if feats.dtype == torch.float32 else feats.float()], dim=-1))
-        if self.fc_bias is not None:
-            x = x + self.fc_bias
-        qkv = self.qkv(x, norm=self.ln1) if self.ln1 is not None else self.qkv(x)
-        H, K, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q = qkv[:, : H * D].view(n, H, D).transpose(0, 1)[None]
-        k = qkv[:, H * D : (H + K) * D].view(n, K, D).transpose(0, 1)[None]
-        v = qkv[:, (H + K) * D :].view(n, K, D).transpose(0, 1)[None]
-        cos, sin = head.rope(positions)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        kk, vv = cache.write(at, k, v)
-        G = H // K  # grouped-query attention as two batched products over the K key-value heads
-        s = torch.matmul(q[0].reshape(K, G * n, D), kk[0].transpose(1, 2)) * (D ** -0.5)  # [K, G * n, at + n]
-        if mask is None:
-            if n > 1:
-                s[:, :, at:].view(K, G, n, n).masked_fill_(~torch.ones(n, n, dtype=torch.bool).tril_(), float("-inf"))
-        else:
-            s.view(K, G, n, at + n).masked_fill_(~mask, float("-inf"))
-        o = torch.matmul(torch.softmax(s, dim=-1), vv[0])  # [K, G * n, D]
-        x = self.o(o.view(H, n, D).transpose(0, 1).reshape(n, H * D), out=x)
-        gu = self.gate_up(x, norm=self.ln2)
-        return self.down(gu, gated=True, out=x)
+        inp = torch.cat([emb, feats if feats.dtype == torch.float32 else feats.float()], dim=-1)
+        cache.reserve(at, at + len(tokens), c.num_key_value_heads, c.head_dim, torch.float32)
+        cos, sin = self._rope(positions)
+        return self._step(inp, cos, sin, cache.k[0], cache.v[0], at, allowed, back)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm(out, norm=self.norm) if self.norm is not None else self.lm(out)
@@ -278,17 +275,21 @@ class HeadCache:
     def __init__(self) -> None:
         self.k = self.v = None
 
-    def write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``[1, K, n, D]`` written at `at`; returns the keys and values of rows ``0 .. at + n``."""
-        end = at + k.shape[2]
-        if self.k is None or self.k.shape[2] < end:
+    def reserve(self, at: int, end: int, heads: int, dim: int, dtype: torch.dtype, device=None) -> None:
+        """Room for rows up to `end` (rows before `at` kept)."""
+        if self.k is None or self.k.shape[2] < end or self.k.dtype != dtype:
             cap = max(256, end, 2 * (0 if self.k is None else self.k.shape[2]))
-            nk = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            nk = torch.empty(1, heads, cap, dim, dtype=dtype, device=device)
             nv = torch.empty_like(nk)
             if self.k is not None:
                 nk[:, :, :at] = self.k[:, :, :at]
                 nv[:, :, :at] = self.v[:, :, :at]
             self.k, self.v = nk, nv
+
+    def write(self, at: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[1, K, n, D]`` written at `at`; returns the keys and values of rows ``0 .. at + n``."""
+        end = at + k.shape[2]
+        self.reserve(at, end, k.shape[1], k.shape[3], k.dtype, k.device)
         self.k[:, :, at:end] = k
         self.v[:, :, at:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]

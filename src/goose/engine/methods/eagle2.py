@@ -94,10 +94,15 @@ class HeadDrafter:
             self.fast = None
 
     def _layer(self, toks: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, cache: HeadCache, at: int,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The head over rows ``[n]`` (keys and values into `cache` at `at`): ``out [n, hidden]``."""
+               allowed: torch.Tensor | None = None, back: int = 0) -> torch.Tensor:
+        """The head over rows ``[n]`` (keys and values into `cache` at `at`): ``out [n, hidden]``; the rows see
+        the cache before ``at - back`` and rows ``at - back .. at + n - 1`` as ``allowed [n, back + n]`` says
+        (None: causally)."""
         if self.fast is not None:
-            return self.fast.layer(toks, feats, pos, cache, at, mask)
+            return self.fast.layer(toks, feats, pos, cache, at, allowed, back)
+        mask = None
+        if allowed is not None:
+            mask = torch.cat([torch.ones(len(toks), at - back, dtype=torch.bool), allowed], dim=1)
         return self.head.layer(toks[None], feats[None].to(self.head.fc.weight.dtype), pos[None], mask=mask,
                                cache=cache, at=at)[0][0]
 
@@ -159,18 +164,17 @@ class HeadDrafter:
             if not level:
                 break
             n = len(level)
-            mask = torch.zeros(n, L + m0 + n, dtype=torch.bool)
-            mask[:, :L] = True
+            seen = torch.zeros(n, m0 + n, dtype=torch.bool)  # over this step's rows (the cache's: all seen)
             for j, (i, _, _) in enumerate(level):
                 a = tree.parents[i]
                 while a > 0:
-                    mask[j, L + row_of[a]] = True
+                    seen[j, row_of[a]] = True
                     a = tree.parents[a]
-                mask[j, L + m0 + j] = True
+                seen[j, m0 + j] = True
             toks_in = torch.tensor([tree.tokens[i] for i, _, _ in level])
             feats_in = torch.stack([f for _, _, f in level])
             pos = torch.full((n,), r + d - 2, dtype=torch.long)
-            out = self._layer(toks_in, feats_in, pos, st.cache, L + m0, mask)
+            out = self._layer(toks_in, feats_in, pos, st.cache, L + m0, seen, m0)
             for j, (i, _, _) in enumerate(level):
                 row_of[i] = m0 + j
             m0 += n
