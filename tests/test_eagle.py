@@ -308,6 +308,42 @@ def test_train_head_is_deterministic_and_resumes(worded, tmp_path, monkeypatch):
     assert all(torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.parametrize("regenerate", [0, 8])
+def test_train_head_collection_resumes_from_its_parts(worded, tmp_path, monkeypatch, regenerate):
+    """Features collected a part at a time (`collect_chunk` conversations) are the data of one pass; a collection
+    interrupted after a part resumes from it and collects only the rest; the parts go once data.pt is written."""
+    import goose.headtrain as ht
+    from goose.backends.lean import LeanForward
+
+    model, tok = worded
+    fwd = LeanForward(model)
+    whole = ht.train_head(model, tok, fwd, tmp_path / "a", tmp_path / "wa",
+                          _tiny_cfg(regenerate=regenerate, collect_chunk=1000))
+    name = "regenerate_collect" if regenerate else "collect"
+    real, calls = getattr(ht, name), []
+
+    def flaky(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(ht, name, flaky)
+    cfg = _tiny_cfg(regenerate=regenerate, collect_chunk=1)
+    with pytest.raises(KeyboardInterrupt):
+        ht.train_head(model, tok, fwd, tmp_path / "b", tmp_path / "wb", cfg)
+    assert [p.name for p in (tmp_path / "wb" / "parts").iterdir()] == ["train-2000-2001.pt"]
+    calls.clear()
+    monkeypatch.setattr(ht, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    parts = ht.train_head(model, tok, fwd, tmp_path / "b", tmp_path / "wb", cfg)
+    assert len(calls) == 4  # 2 train + 2 held-out conversations left, one part each
+    assert parts["data"]["sha256"] == whole["data"]["sha256"] and parts["data"]["train_tokens"] == \
+        whole["data"]["train_tokens"]
+    assert not (tmp_path / "wb" / "parts").exists() and (tmp_path / "wb" / "data.pt").exists()
+    with pytest.raises(GooseError, match="collect_chunk"):
+        ht.train_head(model, tok, fwd, tmp_path / "c", tmp_path / "wc", _tiny_cfg(collect_chunk=0))
+
+
 def test_regenerated_data_is_the_targets_own_greedy_answer(worded):
     """`--regenerate`: each first question answered by the target, batched; every answer equals the Engine's
     plain greedy answer to the same prompt, labels are the next tokens of the answer, repeats are answered once."""

@@ -20,8 +20,10 @@
 4. result    the head (fp16, `save_head`) and `manifest.json`: data and its hash, steps, final loss, the
              held-out acceptance of the head's top-1 at each depth, the command.
 
-Deterministic for a seed (one thread order: torch's CPU kernels); a checkpoint every `checkpoint_every` steps
-and at the end of data collection, from which an interrupted run resumes.
+Deterministic for a seed (one thread order: torch's CPU kernels). Resumable: the collection saves its features
+every `collect_chunk` conversations (`WORKDIR/parts/`, merged into `WORKDIR/data.pt` at its end, the same data as
+one uninterrupted pass), the training a checkpoint every `checkpoint_every` steps; an interrupted run resumes
+from the last of them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,6 +69,7 @@ class TrainConfig:
     memory_gb: float = 8.0  # the most the features may take in memory
     regenerate: int = 0  # > 0: the target answers each first question with up to this many tokens (0: ShareGPT's text)
     regen_batch: int = 16  # conversations answered together while regenerating
+    collect_chunk: int = 250  # conversations per saved part of the collection (what an interruption loses at most)
 
 
 def _conversation(item: dict) -> list[dict]:
@@ -120,17 +124,21 @@ def collect(forward, tokenizer, conversations, max_tokens: int, chunk: int = 512
         n += len(ids)
         if progress is not None:
             progress.update(len(ids))
+    if not toks:
+        return {"tokens": torch.empty(0, dtype=torch.int32)}
     return {"tokens": torch.cat(toks), "feats": torch.cat(feats), "labels": torch.cat(labels),
             "starts": torch.tensor(starts, dtype=torch.long)}
 
 
 @torch.inference_mode()
 def regenerate_collect(forward, tokenizer, conversations, prompt_tokens: int, new_tokens: int, eos: set[int],
-                       batch: int = 16, progress=None) -> dict:
+                       batch: int = 16, progress=None, seen: set | None = None) -> dict:
     """As `collect`, over the target's own greedy answers: each conversation's first question (its first
     `prompt_tokens` tokens) in the chat template, answered by the target with up to `new_tokens` tokens, `batch`
-    conversations per forward. Features and labels come from the same forwards that generate the answer."""
-    prompts, seen = [], set()
+    conversations per forward. Features and labels come from the same forwards that generate the answer. `seen`:
+    the prompts (token tuples) already answered, by earlier parts of the same collection; updated."""
+    prompts = []
+    seen = set() if seen is None else seen
     for _, msgs in conversations:
         user = next((m["content"] for m in msgs if m["role"] == "user"), None)
         if user is None:
@@ -179,8 +187,57 @@ def regenerate_collect(forward, tokenizer, conversations, prompt_tokens: int, ne
             n += len(ids)
             if progress is not None:
                 progress.update(len(ids))
+    if not toks:
+        return {"tokens": torch.empty(0, dtype=torch.int32)}
     return {"tokens": torch.cat(toks), "feats": torch.cat(feats), "labels": torch.cat(labels),
             "starts": torch.tensor(starts, dtype=torch.long), "prompt_lengths": torch.tensor(asked, dtype=torch.long)}
+
+
+def _prompts(data: dict) -> set:
+    """The prompts (token tuples) of regenerated data."""
+    t = data["tokens"]
+    if not len(t):
+        return set()
+    return {tuple(t[a : a + n].tolist()) for a, n in zip(data["starts"].tolist(), data["prompt_lengths"].tolist())}
+
+
+def _concat(parts: list[dict]) -> dict:
+    """Collected data of consecutive parts as one (each part's `starts` shifted by the tokens before it)."""
+    parts = [p for p in parts if len(p["tokens"])]
+    if not parts:
+        raise GooseError("train-head: no usable conversations in the range")
+    out = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if k != "starts"}
+    offsets = torch.tensor([0] + [len(p["tokens"]) for p in parts[:-1]]).cumsum(0)
+    out["starts"] = torch.cat([p["starts"] + o for p, o in zip(parts, offsets.tolist())])
+    return out
+
+
+def _collect_split(forward, tokenizer, model, cfg: "TrainConfig", spec: dict, split: str, indices: range,
+                   parts: Path, progress) -> dict:
+    """The features of `indices` (`collect` or `regenerate_collect`), `cfg.collect_chunk` conversations per part
+    saved in `parts`: a part already there for the same `spec` is reused, so an interrupted collection resumes."""
+    convs = list(sharegpt_conversations(indices))
+    got, seen = [], set()
+    for a in range(indices.start, indices.stop, cfg.collect_chunk):
+        b = min(a + cfg.collect_chunk, indices.stop)
+        path = parts / f"{split}-{a}-{b}.pt"
+        part = torch.load(path) if path.exists() else None
+        if part is not None and part.get("spec") == spec:
+            data = part["data"]
+            progress.update(len(data["tokens"]))
+            if cfg.regenerate:
+                seen |= _prompts(data)
+        else:
+            sub = [c for c in convs if a <= c[0] < b]
+            if cfg.regenerate:
+                data = regenerate_collect(forward, tokenizer, sub, cfg.max_tokens - cfg.regenerate, cfg.regenerate,
+                                          eos_ids(model, tokenizer), cfg.regen_batch, progress=progress, seen=seen)
+            else:
+                data = collect(forward, tokenizer, sub, cfg.max_tokens, progress=progress)
+            parts.mkdir(parents=True, exist_ok=True)
+            _atomic_save({"spec": spec, "data": data}, path)
+        got.append(data)
+    return _concat(got)
 
 
 def data_digest(data: dict) -> str:
@@ -293,6 +350,8 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
     torch.manual_seed(cfg.seed)
     workdir.mkdir(parents=True, exist_ok=True)
     H = model.config.hidden_size
+    if cfg.collect_chunk < 1:
+        raise GooseError(f"collect_chunk must be at least 1 conversation, got {cfg.collect_chunk}")
     if not 0 <= cfg.regenerate < cfg.max_tokens:
         raise GooseError(f"regenerate ({cfg.regenerate} new tokens) must be below max_tokens ({cfg.max_tokens}), "
                          "which holds the question and the answer")
@@ -316,14 +375,9 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
         for split, rng in (("train", range(cfg.first, cfg.first + cfg.conversations)),
                            ("held_out", range(*cfg.held_out))):
             with tqdm(desc=f"features ({split})", unit="tok", dynamic_ncols=True) as bar:
-                convs = sharegpt_conversations(rng)
-                if cfg.regenerate:
-                    data[split] = regenerate_collect(forward, tokenizer, convs, cfg.max_tokens - cfg.regenerate,
-                                                     cfg.regenerate, eos_ids(model, tokenizer), cfg.regen_batch,
-                                                     progress=bar)
-                else:
-                    data[split] = collect(forward, tokenizer, convs, cfg.max_tokens, progress=bar)
+                data[split] = _collect_split(forward, tokenizer, model, cfg, spec, split, rng, workdir / "parts", bar)
         _atomic_save(data, data_path)
+        shutil.rmtree(workdir / "parts", ignore_errors=True)  # data.pt holds them all
     train, held = data["train"], data["held_out"]
     vocab = model.get_output_embeddings().weight.shape[0]
     ids, coverage = draft_vocab(train["labels"], cfg.draft_vocab, vocab)
