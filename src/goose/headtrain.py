@@ -217,6 +217,7 @@ def _collect_split(forward, tokenizer, model, cfg: "TrainConfig", spec: dict, sp
     """The features of `indices` (`collect` or `regenerate_collect`), `cfg.collect_chunk` conversations per part
     saved in `parts`: a part already there for the same `spec` is reused, so an interrupted collection resumes."""
     convs = list(sharegpt_conversations(indices))
+    eos = eos_ids(model, tokenizer) if cfg.regenerate else set()
     got, seen = [], set()
     for a in range(indices.start, indices.stop, cfg.collect_chunk):
         b = min(a + cfg.collect_chunk, indices.stop)
@@ -231,7 +232,7 @@ def _collect_split(forward, tokenizer, model, cfg: "TrainConfig", spec: dict, sp
             sub = [c for c in convs if a <= c[0] < b]
             if cfg.regenerate:
                 data = regenerate_collect(forward, tokenizer, sub, cfg.max_tokens - cfg.regenerate, cfg.regenerate,
-                                          eos_ids(model, tokenizer), cfg.regen_batch, progress=progress, seen=seen)
+                                          eos, cfg.regen_batch, progress=progress, seen=seen)
             else:
                 data = collect(forward, tokenizer, sub, cfg.max_tokens, progress=progress)
             parts.mkdir(parents=True, exist_ok=True)

@@ -216,7 +216,6 @@ class FastHead:
         ck, ik, qk = cpukernel.kernel(), int8.kernels(), quant.kernels_or_none()
         whole = all(w.shape[1] % 32 == 0 for w in (head.fc.weight, head.o_proj.weight, head.down_proj.weight))
         blocks = ik is not None and qk is not None and whole
-        keep = []
 
         def op(w: torch.Tensor, bias: torch.Tensor | None = None):
             """`w` packed for this arithmetic: its plan op and its `linear`."""
@@ -224,10 +223,8 @@ class FastHead:
             b = None if bias is None else ck.pack_bias(bias.detach().float(), w.shape[0])
             if blocks:
                 qw = qk.pack("Q8_0", q8_0_rows(w), w.shape[1])
-                keep.append(qw)
                 return ik.op(qw, qw.n, b), lambda x, **f: ik.linear(x, qw, qw.n, b, **f)
             pw = PanelWeight.pack(ck, w)
-            keep.append(pw)
             return ck.op(pw.data, pw.n, b), lambda x, **f: pw.linear(x, b, **f)
 
         self.kind = "q8_0-int8" if blocks else "float32"
@@ -241,7 +238,6 @@ class FastHead:
         self._step = ck.head_layer(fc, layer, c.num_attention_heads)
         _, self.lm = op(head.lm_head.weight if head.lm_head is not None else head.embed_out)
         self.norm = None if head.norm is None else (norm(head.norm), eps)
-        self._weights = keep  # the packed weights the plan points into
         self._cos = self._sin = torch.empty(0, c.head_dim)
         self.head = head
 
