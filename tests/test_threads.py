@@ -10,7 +10,7 @@ import torch
 from conftest import greedy_memo, make_tiny_llama
 from goose import Engine
 from goose.config import EngineConfig
-from goose.engine.threads import FIRST_PROBE_S, PROBE_S, ThreadGovernor
+from goose.engine.threads import FIRST_PROBE_S, PROBE_ROWS, PROBE_S, ThreadGovernor
 
 DT = 2.0 ** -7  # seconds between forwards (exact in binary: probes fall on exact steps)
 
@@ -27,7 +27,7 @@ def run(gov: ThreadGovernor, clock: Clock, seconds_at, steps: int, rows: int = 4
     """`steps` forwards taking ``seconds_at(threads)``, one every DT s; the thread count of each."""
     used = []
     for _ in range(steps):
-        gov.before()
+        gov.before(rows)
         used.append(torch.get_num_threads())
         gov.after(rows, seconds_at(torch.get_num_threads()))
         clock.now += DT
@@ -60,11 +60,23 @@ def test_quiet_contended_quiet(threads):
     later = ThreadGovernor(threads=2, clock=clock)  # a new engine's governor starts where this one is
     assert later.threads == 2
     gov.threads = 1
-    gov.before()
+    gov.before(4)
     gov.after(4, 0.03)
     assert ThreadGovernor(threads=2, clock=clock).threads == 1
     clock.now += 31  # too long ago: all threads again
     assert ThreadGovernor(threads=2, clock=clock).threads == 2
+
+
+def test_a_due_probe_waits_for_a_small_forward(threads):
+    clock = Clock()
+    gov = ThreadGovernor(threads=2, clock=clock)
+    busy = {2: 0.200, 1: 0.030}
+    assert run(gov, clock, busy.get, 8, rows=PROBE_ROWS) == [2] * 8  # before the first probe is due
+    big = run(gov, clock, busy.get, 640, rows=PROBE_ROWS + 1)  # 5 s of prompt chunks: never one on one thread
+    assert big.count(1) == 0 and gov.switches == 0
+    small = run(gov, clock, busy.get, 3, rows=PROBE_ROWS)  # the probe waited for this one, and it switches
+    assert small == [1, 1, 1] and gov.switches == 1
+    assert run(gov, clock, busy.get, 10, rows=300) == [1] * 10  # the setting itself covers every forward
 
 
 def test_noise_within_the_margin_never_switches(threads):
@@ -79,7 +91,7 @@ def test_one_thread_machines_are_left_alone(threads):
     torch.set_num_threads(1)
     gov = ThreadGovernor(clock=Clock())
     assert not gov.enabled
-    gov.before()
+    gov.before(1)
     gov.after(1, 1.0)
     assert torch.get_num_threads() == 1 and gov.threads == 1
 

@@ -398,7 +398,8 @@ class EngineConfig:
     methods: tuple[str, ...] | None = None
     # the step loop's forwards move to one thread while that is faster (other processes hold the cores: an
     # OpenMP team then waits for descheduled threads at every parallel region) and back once it is not, as
-    # measured by a probe forward every few seconds (`goose.engine.threads`); False: torch's threads as set
+    # measured by a probe forward (of at most 16 query rows) every 2 s (`goose.engine.threads`); False: torch's
+    # threads as set
     adapt_threads: bool = True
 
     def __post_init__(self) -> None:

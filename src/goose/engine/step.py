@@ -226,10 +226,11 @@ def _forward(forward: Forward, work: list[_Work], segments: list[Segment],
     try:
         if governor is None:
             return list(zip(work, forward.run(segments)))
-        governor.before()
+        rows = sum(len(seg.tokens) for seg in segments)
+        governor.before(rows)
         t0 = time.perf_counter()
         outs = forward.run(segments)
-        governor.after(sum(len(seg.tokens) for seg in segments), time.perf_counter() - t0)
+        governor.after(rows, time.perf_counter() - t0)
         return list(zip(work, outs))
     except Exception as exc:
         if len(segments) == 1:

@@ -9,7 +9,9 @@ again, and a forward becomes tens of times slower (measured: `ar` fell from 128 
 `ThreadGovernor` measures instead of guessing: the loop runs its forwards on all threads (`torch`'s count when
 the governor was made, or the setting another governor of the process chose in the last `REMEMBER_S` seconds: a
 process-wide hint that shapes speed only), and `FIRST_PROBE_S` seconds after it starts, then every `PROBE_S`
-seconds, it runs one forward on the other setting (one thread, or all of them again) as a probe. A probe faster
+seconds, it runs one forward on the other setting (one thread, or all of them again) as a probe: the next forward of
+at most `PROBE_ROWS` query rows (a prompt chunk of hundreds of rows on one thread would cost a quiet machine a
+forward's time again: measured 507 against 183 ms for 188 prompt rows in int8 on a Zen 3 core pair). A probe faster
 than `SWITCH` times the median of the current setting's recent forwards of the same size (rows, in powers of
 two) switches the setting. On a quiet machine the probes cost one forward in a few hundred; on a busy one the
 loop moves to one thread within a fraction of a second and back once the machine is quiet. Tokens never depend
@@ -28,6 +30,7 @@ FIRST_PROBE_S = 0.25  # a new governor's first probe comes this soon (a busy mac
 REMEMBER_S = 30.0  # a new governor starts on the setting another one in this process chose this recently
 SWITCH = 0.8  # a probe this fraction of the current setting's median time (or less) switches
 RECENT = 8  # forwards per (setting, size) whose median the probe is compared with
+PROBE_ROWS = 16  # only forwards of at most this many query rows are probes (a due probe waits for one)
 
 
 def _bucket(rows: int) -> int:
@@ -35,9 +38,9 @@ def _bucket(rows: int) -> int:
 
 
 class ThreadGovernor:
-    """One step loop's thread setting (see the module docstring). Used on the loop's thread only: `before`
-    sets the thread count for the next forward, `after(rows, seconds)` records it; `release` gives the calling
-    thread its full count back (when the loop stops stepping on a caller's thread)."""
+    """One step loop's thread setting (see the module docstring). Used on the loop's thread only: `before(rows)`
+    sets the thread count for the next forward (of `rows` query rows in all), `after(rows, seconds)` records it;
+    `release` gives the calling thread its full count back (when the loop stops stepping on a caller's thread)."""
 
     _chosen: tuple[int, float] = (0, float("-inf"))  # the process's last chosen setting, and when (a hint)
 
@@ -58,11 +61,12 @@ class ThreadGovernor:
     def enabled(self) -> bool:
         return self.full > 1
 
-    def before(self) -> None:
-        """Set the threads of the next forward: the current setting, or the other one when a probe is due."""
+    def before(self, rows: int) -> None:
+        """Set the threads of the next forward (`rows` query rows in all): the current setting, or the other one
+        when a probe is due and the forward is small enough to be one."""
         if not self.enabled:
             return
-        self._probing = self.clock() - self._last_probe >= self.probe_s
+        self._probing = rows <= PROBE_ROWS and self.clock() - self._last_probe >= self.probe_s
         want = self.other if self._probing else self.threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
