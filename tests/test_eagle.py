@@ -120,6 +120,32 @@ def test_eagle2_and_goose_accept_head_drafts_and_stay_lossless(tiny_model, tmp_p
     assert _accepted_head_tokens(tiny_model, dec, rng) > 0  # goose verified and accepted head nodes
 
 
+def test_a_head_does_not_run_in_steps_where_none_of_its_rows_can_pay(tiny_model, tmp_path, monkeypatch):
+    from goose.engine.methods.eagle2 import HeadDrafter
+    from goose.selection.acceptance import HEAD_GROUPS, AcceptanceModel, head_key
+
+    acc = AcceptanceModel()
+    assert acc.head_best() == max(acc.prob(head_key(r, 1)) for r in range(HEAD_GROUPS))
+    before = acc.head_best()
+    for _ in range(20):
+        acc.count(head_key(0, 1), False)
+    assert acc.head_best() < before  # learned: the bound follows the groups' rates
+    layers = []
+    real = HeadDrafter._layer
+    monkeypatch.setattr(HeadDrafter, "_layer", lambda self, *a: layers.append(len(a[0])) or real(self, *a))
+    folder = _oracle_head(tiny_model, tmp_path / "h")
+    steep = CostCurve((1, 128), (10.0, 10.0 * 128 * 2))  # a row costs twice a step's tokens: no draft pays
+    rng = random.Random(2)
+    prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(9)]
+    for curve, runs in ((steep, False), (FLAT, True)):
+        for dec in (Decoder(tiny_model, None, eagle(tiny_model, folder, cost=curve)),
+                    Decoder(tiny_model, None, "goose", GooseConfig(eagle=EagleConfig(head=str(folder))), cost=curve)):
+            layers.clear()
+            out, stats = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=30))
+            assert out == hf_greedy(tiny_model, prompt, 30)
+            assert bool(layers) == runs and (stats.drafted["head"] > 0) == runs
+
+
 def test_engine_eagle2_concurrent_requests_equal_greedy(tiny_model, tmp_path):
     from goose.engine.scheduler import Engine
 

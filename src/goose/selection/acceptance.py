@@ -154,6 +154,12 @@ class AcceptanceModel:
             self._best_child = max((self.prob(k), k) for k in keys)
         return self._best_child[0]
 
+    def head_best(self) -> float:
+        """The highest probability a draft head's child of the root can have (any confidence group): an upper
+        bound on the path probability of every head node. When a step's `min_prob` is above it, the head need
+        not run (a loaded batch, where no drafted row pays)."""
+        return max(self.prob(head_key(rank, 1)) for rank in range(HEAD_GROUPS))
+
     def memory_reach(self, ranks: list[int], min_prob: float) -> int:
         """How many leading nodes of a memory spine with groups `ranks` keep a path probability >= `min_prob`."""
         p = 1.0

@@ -220,6 +220,12 @@ class Eagle2(Method):
 
     def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
                    min_prob: float = 0.0) -> Candidates:
+        """The head's tree (`HeadDrafter.grow`); none when `min_prob` is above any probability (a loaded batch,
+        where no drafted row pays): then the head does not run, and its pending positions are left out of its
+        cache but the last `catch_up`, as a resting head's in `goose`."""
+        if min_prob > 1.0:
+            self.st.skip(self.cfg.catch_up)
+            return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
         tree, q = self.drafter.grow(self.st, anchor, max_depth, min_prob)
         return Candidates(tree, q)
 

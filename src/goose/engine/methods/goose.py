@@ -145,11 +145,13 @@ class DeviceAwareGoose(GoosePaper):
     def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
                    min_prob: float = 0.0) -> Candidates:
         """The context/memory spine tree's candidates (`_spine_candidates`), with the draft head's tree merged in
-        when there is a head: each head node priced by its group's learned acceptance (`head_key`)."""
+        when there is a head: each head node priced by its group's learned acceptance (`head_key`). The head
+        does not run in a step where no head node could pay for its row (`min_prob` above `head_best`: a loaded
+        batch), nor while it rests (`_HeadPay`)."""
         base = self._spine_candidates(anchor, prev, max_depth, min_prob)
         if self.drafter is None:
             return base
-        if not self._head.drafts():
+        if min_prob > self.acc.head_best() or not self._head.drafts():
             self.hst.skip()
             return base
         htree, _ = self.drafter.grow(self.hst, anchor, max_depth, min_prob)
