@@ -144,6 +144,11 @@ def test_a_head_does_not_run_in_steps_where_none_of_its_rows_can_pay(tiny_model,
             out, stats = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=30))
             assert out == hf_greedy(tiny_model, prompt, 30)
             assert bool(layers) == runs and (stats.drafted["head"] > 0) == runs
+    m = Decoder(tiny_model, None, "goose", GooseConfig(eagle=EagleConfig(head=str(folder))), cost=FLAT).method
+    m._head_ms = 0.5  # ms of drafting a step
+    assert m._head_may_pay(0.0, 0.0) and not m._head_may_pay(m.acc.head_best(), 0.0)
+    assert m._head_may_pay(0.2, 1 / 6)  # one request: a chain may add ~3 tokens for 0.08 tokens' worth of time
+    assert not m._head_may_pay(0.9, 8 / 15)  # eight: at most ~0.05 tokens for 0.27 tokens' worth
 
 
 def test_engine_eagle2_concurrent_requests_equal_greedy(tiny_model, tmp_path):

@@ -271,16 +271,20 @@ def _draft(drafts: list[_Work], prefills: list[_Work], cost: CostModel | None, c
     n_dec = len(drafts)
     n_pre = sum(len(w.chunk) for w in prefills)
     min_prob = _worth(cost, len(prefills) + n_dec, n_pre + n_dec, n_dec, context, settings, n_pre, len(prefills))
-    return [w for w in drafts if _own(w.slot, "drafting", _draft_one, w, min_prob) is not None]
+    token_ms = 0.0  # tokens a millisecond of this step is worth: its decoding rows' tokens over their price
+    if cost is not None and n_dec:
+        base = decoding_cost(cost, len(prefills) + n_dec, n_pre + n_dec, context, n_pre, len(prefills))
+        token_ms = n_dec / base if base > 0 else 0.0
+    return [w for w in drafts if _own(w.slot, "drafting", _draft_one, w, min_prob, token_ms) is not None]
 
 
-def _draft_one(w: _Work, min_prob: float) -> _Work:
+def _draft_one(w: _Work, min_prob: float, token_ms: float) -> _Work:
     s = w.slot
     anchor = s.out[-1]
     prev = s.out[-2] if len(s.out) > 1 else s.prompt[-1]
     room = None if s.limit is None else s.limit - 1 - s.cache.length
     if s.method.offers_candidates:
-        w.cands = s.method.candidates(anchor, prev, room, min_prob)
+        w.cands = s.method.candidates(anchor, prev, room, min_prob, token_ms)
     else:
         tree = s.method.draft(anchor, prev)
         w.tree = tree if room is None else tree.within_depth(room)

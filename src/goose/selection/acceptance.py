@@ -81,12 +81,14 @@ class AcceptanceModel:
         self.verified: set[tuple] = set()  # groups with a verified trial (`update`): no longer explored
         self._best_branch: float | None = None  # the best depth-1 branch probability (asked by every request's step)
         self._best_child: tuple[float, tuple] | None = None  # the best depth-1 probability of any group, and its group
+        self._best_head: float | None = None  # the best depth-1 probability of a head group (`head_best`)
 
     def reset(self) -> None:
         self.counts.clear()
         self.verified.clear()
         self._best_branch = None
         self._best_child = None
+        self._best_head = None
 
     def _prior(self, key: tuple) -> float:
         if key[0] == "s":
@@ -157,8 +159,10 @@ class AcceptanceModel:
     def head_best(self) -> float:
         """The highest probability a draft head's child of the root can have (any confidence group): an upper
         bound on the path probability of every head node. When a step's `min_prob` is above it, the head need
-        not run (a loaded batch, where no drafted row pays)."""
-        return max(self.prob(head_key(rank, 1)) for rank in range(HEAD_GROUPS))
+        not run (a loaded batch, where no drafted row pays). Kept until a head group's counts change."""
+        if self._best_head is None:
+            self._best_head = max(self.prob(head_key(rank, 1)) for rank in range(HEAD_GROUPS))
+        return self._best_head
 
     def memory_reach(self, ranks: list[int], min_prob: float) -> int:
         """How many leading nodes of a memory spine with groups `ranks` keep a path probability >= `min_prob`."""
@@ -187,6 +191,8 @@ class AcceptanceModel:
         """One trial of group `key`: a node of it whose parent was accepted, `accepted` or not."""
         if key[0] == "b":
             self._best_branch = None
+        elif key[0] == "h":
+            self._best_head = None
         c = self.counts.setdefault(key, [0.0, 0.0])
         c[1] += 1.0
         if accepted:

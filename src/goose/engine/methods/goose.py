@@ -24,6 +24,8 @@ from ..verify import WalkResult
 from .eagle2 import HeadDrafter, HeadState, find_head, merge
 from .goose_paper import GoosePaper
 
+HEAD_MS_RATE = 0.25  # weight of each step's drafting time in the head's moving average (`_head_may_pay`)
+
 
 def load_budget(min_prob: float, spine: int = 0, cfg: DeviceAwareConfig = DeviceAwareConfig()) -> int | None:
     """The most candidate nodes worth building when a node must reach path probability `min_prob` to pay for
@@ -101,6 +103,7 @@ class DeviceAwareGoose(GoosePaper):
         self.drafter: HeadDrafter | None = None  # the draft head's (set by `prepare` when there is one)
         self.hst = HeadState()
         self._head = _HeadPay(cfg.eagle)
+        self._head_ms = 0.0  # the head's drafting per step, ms (a moving average of weight HEAD_MS_RATE)
 
     def _set_cost(self, cost: CostCurve | None) -> None:
         self.cost = cost
@@ -122,6 +125,7 @@ class DeviceAwareGoose(GoosePaper):
         self._learn = True  # before the prefill, whose chunks are harvested
         self.hst = HeadState()
         self._head = _HeadPay(self.cfg.eagle)
+        self._head_ms = 0.0
 
     def take_features(self, hidden) -> None:
         self.hst.take_features(hidden)
@@ -143,18 +147,21 @@ class DeviceAwareGoose(GoosePaper):
             self.hst.commit(tokens)
 
     def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
-                   min_prob: float = 0.0) -> Candidates:
+                   min_prob: float = 0.0, token_ms: float = 0.0) -> Candidates:
         """The context/memory spine tree's candidates (`_spine_candidates`), with the draft head's tree merged in
         when there is a head: each head node priced by its group's learned acceptance (`head_key`). The head
-        does not run in a step where no head node could pay for its row (`min_prob` above `head_best`: a loaded
-        batch), nor while it rests (`_HeadPay`)."""
+        does not run in a step where it cannot pay (`_head_may_pay`: a loaded batch), nor while it rests
+        (`_HeadPay`)."""
         base = self._spine_candidates(anchor, prev, max_depth, min_prob)
         if self.drafter is None:
             return base
-        if min_prob > self.acc.head_best() or not self._head.drafts():
+        if not self._head_may_pay(min_prob, token_ms) or not self._head.drafts():
             self.hst.skip()
             return base
+        t = time.perf_counter()
         htree, _ = self.drafter.grow(self.hst, anchor, max_depth, min_prob)
+        ms = (time.perf_counter() - t) * 1e3
+        self._head_ms = ms if self._head_ms == 0.0 else self._head_ms + HEAD_MS_RATE * (ms - self._head_ms)
         if len(htree) == 1:
             return base
         hq = [1.0] + self.acc.node_probs(htree, self._kind)[0][1:]
@@ -162,6 +169,21 @@ class DeviceAwareGoose(GoosePaper):
         qb = [1.0] + [bp[i] / bp[bt.parents[i]] if bp[bt.parents[i]] > 0 else 0.0 for i in range(1, len(bt))]
         tree, q = merge(bt, qb, htree, hq)
         return Candidates(tree, q)
+
+    def _head_may_pay(self, min_prob: float, token_ms: float) -> bool:
+        """Whether the head's nodes can pay for its drafting in this step: the most they can add, a chain of
+        `EagleConfig.depth` nodes each with the best acceptance of any head group (`head_best`), net of the
+        price of their rows (`min_prob` each, the step loop's), against the tokens the head's own milliseconds
+        are worth in this step (its measured drafting time times `token_ms`). Without a price (`min_prob` 0) it
+        always may; under a loaded batch (rows near a token's worth each, and many requests' tokens per
+        millisecond) it does not run at all."""
+        best, p, gain = self.acc.head_best(), 1.0, 0.0
+        for _ in range(self.cfg.eagle.depth):
+            p *= best
+            if p <= min_prob:
+                break
+            gain += p - min_prob
+        return gain > self._head_ms * token_ms
 
     def _spine_candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
                           min_prob: float = 0.0) -> Candidates:
