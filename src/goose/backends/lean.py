@@ -479,11 +479,14 @@ class LeanForward(Forward):
         else:
             self._layer_by_layer(x, attends, spans)
         rows = []  # hidden rows whose logits are wanted
+        feats = None  # every row's final hidden state, when a segment wants its own (one norm call for all)
         for s, (a, b, p) in zip(segments, spans):
             s.cache.appended(p, b - a)
             rows.append((b - s.keep_last, b) if s.keep_last else (a, b))
             if s.features:  # (the norm is fused into the output head's kernel: computed here for these rows)
-                s.hidden = _rms(x[a:b], self.norm, self.norm_eps)
+                if feats is None:
+                    feats = _rms(x, self.norm, self.norm_eps)
+                s.hidden = feats[a:b]
         if one:
             h = x[rows[0][0] : rows[0][1]]
         else:
