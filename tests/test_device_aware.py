@@ -20,8 +20,8 @@ from goose.engine.measure import load_or_measure, measure
 from goose.engine.verify import WalkResult
 from goose.errors import GooseError
 from goose.selection.acceptance import CONSENSUS, SHORT, AcceptanceModel
-from goose.selection.costmodel import BatchCostCurve, CostCurve, monotone
-from goose.selection.selector import path_probs, select
+from goose.selection.costmodel import BatchCostCurve, CostCurve, TrackedCost, monotone
+from goose.selection.selector import Candidates, allocate_counts, path_probs, select
 
 
 def test_cost_curve_interpolates_and_extrapolates():
@@ -52,6 +52,50 @@ def test_monotone_is_the_least_squares_non_decreasing_fit(ms):
     err = sum((a - b) ** 2 for a, b in zip(fit, ms))
     for other in (sorted(ms), [sum(ms) / len(ms)] * len(ms), [max(ms[: i + 1]) for i in range(len(ms))]):
         assert err <= sum((a - b) ** 2 for a, b in zip(other, ms)) + 1e-6
+
+
+def test_a_tracked_curve_prices_rows_as_the_step_loop_measures_them():
+    base = BatchCostCurve.single(CostCurve((1, 2, 4, 8), (10.0, 11.0, 13.0, 17.0)))
+    t = TrackedCost(base, rate=0.2)
+    assert [t(1, n) for n in (1, 2, 4, 8)] == [base(1, n) for n in (1, 2, 4, 8)]  # nothing observed: the curve
+    for _ in range(60):
+        t.observe(1, 1, 0.0, 0.012)  # plain steps at 1.2x their price
+    assert t.scale(1) == pytest.approx(1.2) and t(1, 4) == pytest.approx(1.2 * 13.0)  # extra rows as the rest
+    for _ in range(60):
+        t.observe(1, 4, 0.0, (1.2 * 10.0 + 2 * 3.0) / 1e3)  # 4-row steps: their extra rows at twice the curve's
+    assert t.extra_scale(1) == pytest.approx(2.0, rel=1e-3)
+    assert t(1, 2) == pytest.approx(12.0 + 2 * 1.0, rel=1e-3) and t(1, 8) == pytest.approx(12.0 + 2 * 7.0, rel=1e-3)
+    assert t(1, 1) == pytest.approx(12.0) and t.pricer(1)(3) == t(1, 3)
+    t.observe(1, 4, 0.0, 60.0)  # a forward preempted for a minute counts as TRACK_CLAMP times its price
+    for _ in range(10):
+        t.observe(1, 4, 0.0, (1.2 * 10.0 + 2 * 3.0) / 1e3)
+    assert t.extra_scale(1) < 2.5  # (unclamped, 60,000 ms would hold it at the clamp of TRACK_CLAMP for long)
+    for _ in range(100):
+        t.observe(1, 4, 0.0, (1.2 * 10.0 + 3.0) / 1e3)  # quiet again: the curve's shape comes back
+    assert t.extra_scale(1) == pytest.approx(1.0, rel=1e-3)
+    assert t.scale(2) == 1.0 and t.extra_scale(2) == pytest.approx(1.0, rel=1e-3)  # u per sequence count, k shared
+    with pytest.raises(ValueError):
+        TrackedCost(base, rate=0.0)
+
+
+def test_the_step_loop_tracks_its_curve_and_trees_follow_it(tiny_model):
+    from goose import Engine
+
+    prompt = [5, 9, 17, 33, 60, 5, 9, 17, 33, 60, 5, 9, 17]
+    with Engine(tiny_model, None, "goose", engine_config=EngineConfig(max_batch=1), thread=False) as eng:
+        out = [t for block in eng.drive(eng.submit(prompt, 24)) for t in block]
+        tracked = eng._cost
+        assert isinstance(tracked, TrackedCost) and tracked._plain[1][0] > 0  # its plain steps were observed
+    assert out == hf_greedy(tiny_model, prompt, 24)
+    tree = DraftTree.root(7)
+    tree.add_chain(0, [8, 9, 10, 11], SPINE)
+    cands = [Candidates(tree, [1.0, 0.9, 0.9, 0.9, 0.9])]
+    slow = TrackedCost(BatchCostCurve.single(CostCurve((1, 8), (10.0, 24.0))), rate=0.5)  # a row: 2 ms
+    assert allocate_counts(cands, cost=slow) == [4]  # the whole chain pays at the curve's price
+    for _ in range(30):
+        slow.observe(1, 1, 0.0, 0.010)
+        slow.observe(1, 5, 0.0, (10.0 + 4 * 4 * 2.0) / 1e3)  # the forwards' extra rows at 4x the curve's price
+    assert slow.extra_scale(1) == pytest.approx(4.0) and allocate_counts(cands, cost=slow)[0] < 4
 
 
 def test_monotone_pools_a_noisy_flat_start():

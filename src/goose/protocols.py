@@ -117,3 +117,7 @@ class CostModel(Protocol):
     def pricer(self, sequences: int, context: float = 0.0) -> Callable[[float], float]:
         """``n -> ms`` for a fixed sequence count and context (what a step prices many sizes with)."""
         ...
+
+    def observe(self, sequences: int, rows: int, context: float, seconds: float) -> None:
+        """A decoding forward it priced took `seconds` (a curve that tracks the machine learns from it)."""
+        ...

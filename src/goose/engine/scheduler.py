@@ -38,7 +38,7 @@ from ..errors import (
     RequestFailed,
 )
 from ..machine import trim_heap
-from ..selection.costmodel import BatchCostCurve
+from ..selection.costmodel import BatchCostCurve, TrackedCost
 from .measure import load_or_measure_batch
 from .methods import METHODS, Method, make_method
 from .output import Detokenizer, TokenBlock, stop_check, text_decoder
@@ -547,11 +547,11 @@ class Engine:
                 tpl.prepare(self.model, self.forward, self.tokenizer)
                 self._templates[name] = tpl
             if tpl.cost is not None and self._cost is None:  # one request at a time: the method's own curve
-                self._cost = BatchCostCurve.single(tpl.cost) if self.max_batch == 1 else \
-                    load_or_measure_batch(self.model, self.forward, self.max_batch)
+                self._cost = TrackedCost(BatchCostCurve.single(tpl.cost) if self.max_batch == 1 else
+                                         load_or_measure_batch(self.model, self.forward, self.max_batch))
                 if self.governor is not None and self.governor.enabled:  # measured (once: cached) on one thread
-                    self._cost_one = on_threads(1, lambda: load_or_measure_batch(self.model, self.forward,
-                                                                                 self.max_batch))
+                    self._cost_one = TrackedCost(on_threads(1, lambda: load_or_measure_batch(
+                        self.model, self.forward, self.max_batch)))
             return tpl
 
     def _loop(self) -> None:

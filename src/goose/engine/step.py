@@ -195,7 +195,10 @@ def _step(forward: Forward, slots: list[Slot], cost: CostModel | None, budget: i
     clock("tensorize")
     if not tensors:
         return
+    t0 = time.perf_counter()
     outs = _forward(forward, [w for w, _ in tensors], [seg for _, seg in tensors], governor)  # 4. forward
+    if cost is not None and not prefills and len(outs) == len(tensors) and not (governor and governor.probed):
+        cost.observe(len(tensors), sum(len(seg.tokens) for _, seg in tensors), context, time.perf_counter() - t0)
     for w, seg in tensors:
         w.hidden = seg.hidden
     clock("forward")

@@ -56,6 +56,7 @@ class ThreadGovernor:
         self._recent: dict[tuple[int, int], deque] = {}
         self._last_probe = clock() - probe_s + min(FIRST_PROBE_S, probe_s)
         self._probing = False
+        self.probed = False  # the last forward was a probe (on the other setting)
 
     @property
     def enabled(self) -> bool:
@@ -75,6 +76,7 @@ class ThreadGovernor:
         """Record the forward just run (`rows` query rows in all, `seconds` long); a probe may switch."""
         if not self.enabled:
             return
+        self.probed = self._probing
         size = _bucket(rows)
         ThreadGovernor._chosen = (self.threads, self.clock())
         if not self._probing:

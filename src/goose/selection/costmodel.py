@@ -123,3 +123,81 @@ class BatchCostCurve:
     @classmethod
     def single(cls, curve: CostCurve) -> "BatchCostCurve":
         return cls(((1, curve),))
+
+    def observe(self, sequences: int, rows: int, context: float, seconds: float) -> None:
+        """A measured curve learns nothing from a forward (`TrackedCost` does)."""
+
+
+TRACK_RATE = 0.05  # weight of each forward in `TrackedCost`'s moving sums (about the last 20-40 forwards count)
+TRACK_CLAMP = 4.0  # a forward's time counts as at most this many times (and at least 1 / this) its price
+
+
+class TrackedCost:
+    """A batched cost curve (`BatchCostCurve`, measured once and cached) corrected online by the forwards of the
+    step loop that prices with it (`observe`). On a shared machine the price of extra rows moves while one row's
+    does not: on a Zen 3 core pair (int8) the same 4-row forward took 1.5x one row's time in one minute and
+    2.1-2.5x in another, one row 5.0-5.2 ms throughout (one row is bound by reading the weights from memory, more
+    rows by computing, whose speed the machine's other tenants change), so a curve measured at one moment over- or
+    under-verifies at the next.
+
+    Two corrections, each a ratio of moving sums (forwards weighted `rate`, clamped to `TRACK_CLAMP` of their
+    price): per sequence count S, `scale` u = observed / priced ms of plain steps (one row per sequence); over all
+    steps with drafted rows, `extra_scale` k = (observed ms - u x the plain step's price) / the curve's price of
+    the extra rows. Priced: ``u * cost(S, S) + k * (cost(S, n) - cost(S, S))`` for n > S rows (u * cost below);
+    before any step with drafted rows, k = u. Tokens never depend on it: it only sizes trees."""
+
+    def __init__(self, base: BatchCostCurve, rate: float = TRACK_RATE) -> None:
+        if not 0 < rate <= 1:
+            raise ValueError(f"the tracking rate must be in (0, 1], got {rate}")
+        self.base, self.rate = base, rate
+        self._plain: dict[int, list[float]] = {}  # sequences -> moving sums [observed ms, priced ms]
+        self._extra = [0.0, 0.0]  # moving sums [observed ms - u * priced plain ms, priced extra ms]
+
+    @property
+    def max_size(self) -> int:
+        return self.base.max_size
+
+    def scale(self, sequences: int) -> float:
+        s = self._plain.get(sequences)
+        return s[0] / s[1] if s is not None and s[1] > 0 else 1.0
+
+    def extra_scale(self, sequences: int) -> float:
+        num, den = self._extra
+        if den <= 0:
+            return self.scale(sequences)
+        return min(max(num / den, 1.0 / TRACK_CLAMP), TRACK_CLAMP)
+
+    def __call__(self, sequences: int, n: float, context: float = 0.0) -> float:
+        return self.pricer(sequences, context)(n)
+
+    def pricer(self, sequences: int, context: float = 0.0):
+        at = self.base.pricer(sequences, context)
+        u, k = self.scale(sequences), self.extra_scale(sequences)
+        if u == 1.0 and k == 1.0:
+            return at
+        p0 = at(sequences)
+        return lambda n: u * at(n) if n <= sequences else u * p0 + k * (at(n) - p0)
+
+    def observe(self, sequences: int, rows: int, context: float, seconds: float) -> None:
+        """A decoding forward (no prompt chunk in it) of `rows` query rows over `sequences` sequences, whose
+        cached contexts hold `context` tokens on average, took `seconds`."""
+        at = self.base.pricer(sequences, context)
+        p0, r = at(sequences), self.rate
+        if p0 <= 0:
+            return
+        if rows <= sequences:
+            s = self._plain.setdefault(sequences, [0.0, 0.0])
+            ms = min(max(seconds * 1e3, p0 * self.scale(sequences) / TRACK_CLAMP),
+                     p0 * self.scale(sequences) * TRACK_CLAMP)
+            s[0] += r * (ms - s[0])
+            s[1] += r * (p0 - s[1])
+            return
+        extra = at(rows) - p0
+        if extra <= 0:
+            return
+        u = self.scale(sequences)
+        priced = u * p0 + self.extra_scale(sequences) * extra
+        ms = min(max(seconds * 1e3, priced / TRACK_CLAMP), priced * TRACK_CLAMP)
+        e = self._extra
+        e[0] += r * (ms - u * p0 - e[0])
+        e[1] += r * (extra - e[1])
