@@ -7,7 +7,8 @@ request ends, so CONCURRENCY are always in flight until the prompts run out. Eac
 of its own steps only, so the machine's drift hits every variant alike within a step or two; the figure to compare
 is the median over rounds of each variant's ratio to the first; so is each variant's mean request latency (its own
 step time from a request's submission to its end). A variant is a method name, optionally ``~N``
-(`AcceptanceConfig.explore_trials`) and ``@margin`` (`EngineConfig.worth_margin`), defaults otherwise.
+(`AcceptanceConfig.explore_trials`), ``@margin`` (`EngineConfig.worth_margin`) and ``/fixed`` (`EngineConfig.track_cost`
+False), defaults otherwise.
 
     .venv/bin/python benchmarks/concurrency_ab.py CONCURRENCY ar,goose[,goose@100,goose~0] [--rounds 4] \
         [--arith int8] [--closed] [--limit 2]
@@ -30,8 +31,9 @@ from goose.machine import cpu_name
 
 
 def variant_engine(model, tok, v: str, c: int) -> Engine:
-    """The engine of variant `v` (``method[+head][~explore_trials][@worth_margin]``; ``+head``: with the packaged
-    draft head), at most `c` requests per step."""
+    """The engine of variant `v` (``method[+head][~explore_trials][@worth_margin][/fixed]``; ``+head``: with the
+    packaged draft head; ``/fixed``: the cost curve as measured, not tracked), at most `c` requests per step."""
+    v, _, fixed = v.partition("/")
     m, _, wm = v.partition("@")
     m, _, ex = m.partition("~")
     m, head, _ = m.partition("+head")
@@ -41,7 +43,7 @@ def variant_engine(model, tok, v: str, c: int) -> Engine:
         acc = dataclasses.replace(g.device_aware.acceptance, explore_trials=int(ex)) if ex else \
             g.device_aware.acceptance
         config = dataclasses.replace(g, device_aware=dataclasses.replace(g.device_aware, acceptance=acc))
-    settings = EngineConfig(max_batch=c, **({"worth_margin": float(wm)} if wm else {}))
+    settings = EngineConfig(max_batch=c, track_cost=fixed != "fixed", **({"worth_margin": float(wm)} if wm else {}))
     return Engine(model, tok, m, config=config, engine_config=settings, thread=False)
 
 

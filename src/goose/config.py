@@ -386,6 +386,9 @@ class EngineConfig:
     # building, pricing and harvesting a tree costs Python time that the cost curve does not price
     worth_margin: float = 1.5
     worth_rows: int = 4  # the marginal cost of a draft row is averaged over this many rows (the curve has flat steps)
+    # the step loop corrects its measured cost curve from its own forwards' times (`selection.costmodel.TrackedCost`:
+    # on a shared machine the price of extra rows moves); False: the curve as measured
+    track_cost: bool = True
     tree_room: int = 160  # cache entries reserved beyond prompt + max_new_tokens for a step's tree (more still fit)
     weights_check_steps: int = 8  # steps between weights checks while no request joins or finishes
     # the Engine's constructor collects garbage, then leaves every object alive then (the libraries, the model)
@@ -429,7 +432,7 @@ class EngineConfig:
                 raise GooseError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
         if not _is_int(self.tree_room) or self.tree_room < 0:
             raise GooseError(f"tree_room must be an integer >= 0, got {self.tree_room}")
-        for name in ("freeze_gc", "adapt_threads"):
+        for name in ("freeze_gc", "adapt_threads", "track_cost"):
             if not isinstance(getattr(self, name), bool):
                 raise GooseError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

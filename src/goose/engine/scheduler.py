@@ -547,11 +547,12 @@ class Engine:
                 tpl.prepare(self.model, self.forward, self.tokenizer)
                 self._templates[name] = tpl
             if tpl.cost is not None and self._cost is None:  # one request at a time: the method's own curve
-                self._cost = TrackedCost(BatchCostCurve.single(tpl.cost) if self.max_batch == 1 else
-                                         load_or_measure_batch(self.model, self.forward, self.max_batch))
+                track = TrackedCost if self.settings.track_cost else (lambda curve: curve)
+                self._cost = track(BatchCostCurve.single(tpl.cost) if self.max_batch == 1 else
+                                   load_or_measure_batch(self.model, self.forward, self.max_batch))
                 if self.governor is not None and self.governor.enabled:  # measured (once: cached) on one thread
-                    self._cost_one = TrackedCost(on_threads(1, lambda: load_or_measure_batch(
-                        self.model, self.forward, self.max_batch)))
+                    self._cost_one = track(on_threads(1, lambda: load_or_measure_batch(self.model, self.forward,
+                                                                                       self.max_batch)))
             return tpl
 
     def _loop(self) -> None:

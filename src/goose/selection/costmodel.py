@@ -130,6 +130,7 @@ class BatchCostCurve:
 
 TRACK_RATE = 0.05  # weight of each forward in `TrackedCost`'s moving sums (about the last 20-40 forwards count)
 TRACK_CLAMP = 4.0  # a forward's time counts as at most this many times (and at least 1 / this) its price
+TRACK_RELAX = 0.25  # each plain step pulls the extra rows' correction toward 1 by this fraction of the rate
 
 
 class TrackedCost:
@@ -140,18 +141,21 @@ class TrackedCost:
     rows by computing, whose speed the machine's other tenants change), so a curve measured at one moment over- or
     under-verifies at the next.
 
-    Two corrections, each a ratio of moving sums (forwards weighted `rate`, clamped to `TRACK_CLAMP` of their
-    price): per sequence count S, `scale` u = observed / priced ms of plain steps (one row per sequence); over all
-    steps with drafted rows, `extra_scale` k = (observed ms - u x the plain step's price) / the curve's price of
-    the extra rows. Priced: ``u * cost(S, S) + k * (cost(S, n) - cost(S, S))`` for n > S rows (u * cost below);
-    before any step with drafted rows, k = u. Tokens never depend on it: it only sizes trees."""
+    Two corrections, each a ratio of moving sums that start at the curve's own price (forwards weighted `rate`,
+    each clamped to `TRACK_CLAMP` of its price): per sequence count S, `scale` u = observed / priced ms of plain
+    steps (one row per sequence); over all steps with drafted rows, `extra_scale` k = (observed ms - u x the plain
+    step's price) / the curve's price of the extra rows. Priced: ``u * cost(S, S) + k * (cost(S, n) - cost(S, S))``
+    for n > S rows (u * cost below). Rows priced too high are never verified, so nothing would correct k again:
+    every plain step pulls k back toward 1 by `rate` x `TRACK_RELAX` (after a few hundred plain steps trees are
+    tried again and measured). Tokens never depend on it: it only sizes trees."""
 
     def __init__(self, base: BatchCostCurve, rate: float = TRACK_RATE) -> None:
         if not 0 < rate <= 1:
             raise ValueError(f"the tracking rate must be in (0, 1], got {rate}")
         self.base, self.rate = base, rate
         self._plain: dict[int, list[float]] = {}  # sequences -> moving sums [observed ms, priced ms]
-        self._extra = [0.0, 0.0]  # moving sums [observed ms - u * priced plain ms, priced extra ms]
+        one = max(base(1, 2) - base(1, 1), 1e-6) if base.max_size > 1 else 1.0
+        self._extra = [one, one]  # moving sums [observed ms - u * priced plain ms, priced extra ms]
 
     @property
     def max_size(self) -> int:
@@ -159,12 +163,10 @@ class TrackedCost:
 
     def scale(self, sequences: int) -> float:
         s = self._plain.get(sequences)
-        return s[0] / s[1] if s is not None and s[1] > 0 else 1.0
+        return s[0] / s[1] if s is not None else 1.0
 
     def extra_scale(self, sequences: int) -> float:
         num, den = self._extra
-        if den <= 0:
-            return self.scale(sequences)
         return min(max(num / den, 1.0 / TRACK_CLAMP), TRACK_CLAMP)
 
     def __call__(self, sequences: int, n: float, context: float = 0.0) -> float:
@@ -186,11 +188,13 @@ class TrackedCost:
         if p0 <= 0:
             return
         if rows <= sequences:
-            s = self._plain.setdefault(sequences, [0.0, 0.0])
-            ms = min(max(seconds * 1e3, p0 * self.scale(sequences) / TRACK_CLAMP),
-                     p0 * self.scale(sequences) * TRACK_CLAMP)
+            u = self.scale(sequences)
+            s = self._plain.setdefault(sequences, [p0, p0])
+            ms = min(max(seconds * 1e3, p0 * u / TRACK_CLAMP), p0 * u * TRACK_CLAMP)
             s[0] += r * (ms - s[0])
             s[1] += r * (p0 - s[1])
+            e = self._extra
+            e[0] += r * TRACK_RELAX * (e[1] - e[0])
             return
         extra = at(rows) - p0
         if extra <= 0:
