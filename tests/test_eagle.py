@@ -491,6 +491,28 @@ def test_goose_drafts_with_the_head_only_while_its_steps_commit_more_tokens_per_
     assert sum(late[20:]) <= 6
     always = _HeadPay(EagleConfig(probe_every=0))
     assert all(_run_arms(always, 10, (70.0, 0), (1.0, 5)))
+    # the rates are the method's, across requests: a new request starts from what the earlier ones measured
+    first = _HeadPay(EagleConfig(pay_rate=0.5, probe_every=4))
+    _run_arms(first, 20, (7.0, 1), (5.0, 1))
+    second = _run_arms(_HeadPay(EagleConfig(pay_rate=0.5, probe_every=4), first.rates), 4, (7.0, 1), (5.0, 1))
+    assert second == [True, False, False, False]  # its first step (unmeasured), then the faster arm at once
+
+
+def test_goose_learns_whether_its_head_pays_across_requests(tiny_model, tmp_path):
+    from dataclasses import replace
+
+    from goose.config import DeviceAwareConfig
+
+    folder = random_head(tiny_model, tmp_path / "h", 2, 30)
+    prompt = [7, 3, 9, 12, 7, 3, 9]
+    for carry in (True, False):
+        cfg = GooseConfig(eagle=EagleConfig(head=str(folder)), device_aware=replace(DeviceAwareConfig(),
+                                                                                   carry_over=carry))
+        dec = Decoder(tiny_model, None, "goose", cfg, cost=FLAT)
+        for _ in range(2):
+            assert dec.generate_ids(prompt, DecodeConfig(max_new_tokens=20))[0] == hf_greedy(tiny_model, prompt, 20)
+        seen = dec.method._pay.seen  # the method's own rates: its requests' forks measured into them, or not
+        assert (seen[True] > 0 and seen[False] > 0) == carry and (sum(seen.values()) == 0) == (not carry)
 
 
 def test_a_head_fits_a_lower_precision_copy_of_its_model_but_not_another_model(tmp_path):

@@ -37,40 +37,50 @@ def load_budget(min_prob: float, spine: int = 0, cfg: DeviceAwareConfig = Device
     return max(cfg.load_min_budget, 1 + spine + math.ceil(cfg.load_depths / min_prob))
 
 
-class _HeadPay:
-    """Whether drafting with the head pays in this request, measured as what it is for: tokens committed per
-    millisecond of the step (from the method's `candidates` to its `observe`: drafting, the forward and the
-    walk), averaged apart over the steps drafted with the head and those without (the first samples' mean, then
-    a moving average of weight `EagleConfig.pay_rate`). The faster arm drafts; the other is tried one step in
-    `probe_every`, so both averages follow the text. A new request drafts with the head first (that step, which
-    runs the prompt's positions through the head, is not measured), then measures a step with the head and one
-    without. A head that rests skips the positions of its resting steps (`HeadState.skip`), so a probe costs what
-    a step of a drafting head costs."""
+class PayRates:
+    """Tokens per millisecond of the steps drafted with the head and of those without (`_HeadPay`), learned
+    across the requests of one method (its forks share them, as they share the acceptance statistics): one
+    request's few dozen steps, of one or two tokens each, are too few to tell arms 10% apart."""
 
-    def __init__(self, cfg, clock=time.perf_counter) -> None:
-        self.cfg, self.clock = cfg, clock
+    def __init__(self) -> None:
         self.rate = {True: 0.0, False: 0.0}  # tokens per ms, with / without the head
         self.seen = {True: 0, False: 0}  # steps measured per arm
+
+
+class _HeadPay:
+    """Whether drafting with the head pays, measured as what it is for: tokens committed per millisecond of the
+    step (from the method's `candidates` to its `observe`: drafting, the forward and the walk), averaged apart over
+    the steps drafted with the head and those without (`PayRates`: the first samples' mean, then a moving average
+    of weight `EagleConfig.pay_rate`). The faster arm drafts; the other is tried one step in `probe_every` of each
+    request, so both averages follow the text. A new request drafts with the head first (that step, which runs
+    the prompt's positions through the head, is not measured); until both arms are measured, each request's steps
+    alternate between them. A head that rests skips the positions of its resting steps (`HeadState.skip`), so a
+    probe costs what a step of a drafting head costs."""
+
+    def __init__(self, cfg, rates: PayRates | None = None, clock=time.perf_counter) -> None:
+        self.cfg, self.clock = cfg, clock
+        self.rates = rates if rates is not None else PayRates()
         self.since = 0  # steps since the slower arm was last tried
         self.on: bool | None = None  # this step's arm, until `observe`
         self.t = 0.0
         self.warm = False  # the head's first step (the prompt's catch-up) is done
+        self.last = False  # the arm of this request's last measured step
 
     def drafts(self) -> bool:
-        c = self.cfg
+        c, rates = self.cfg, self.rates
         if c.probe_every == 0:
             return True
         if not self.warm:
             self.warm, self.on = True, None
             return True
-        if not self.seen[True] or not self.seen[False]:
-            on = not self.seen[True]
+        if not rates.seen[True] or not rates.seen[False]:
+            on = not self.last
         else:
-            on = self.rate[True] >= self.rate[False]
+            on = rates.rate[True] >= rates.rate[False]
             self.since += 1
             if self.since >= c.probe_every:
                 on, self.since = not on, 0
-        self.on, self.t = on, self.clock()
+        self.on, self.t, self.last = on, self.clock(), on
         return on
 
     def observe(self, tokens: int) -> None:
@@ -78,9 +88,10 @@ class _HeadPay:
             return
         arm, self.on = self.on, None
         rate = tokens / max((self.clock() - self.t) * 1e3, 1e-6)
-        self.seen[arm] += 1
-        w = max(self.cfg.pay_rate, 1.0 / self.seen[arm])  # (the first sample: w = 1)
-        self.rate[arm] += w * (rate - self.rate[arm])
+        rates = self.rates
+        rates.seen[arm] += 1
+        w = max(self.cfg.pay_rate, 1.0 / rates.seen[arm])  # (the first sample: w = 1)
+        rates.rate[arm] += w * (rate - rates.rate[arm])
 
 
 class DeviceAwareGoose(GoosePaper):
@@ -102,7 +113,8 @@ class DeviceAwareGoose(GoosePaper):
         self._set_cost(cost)
         self.drafter: HeadDrafter | None = None  # the draft head's (set by `prepare` when there is one)
         self.hst = HeadState()
-        self._head = _HeadPay(cfg.eagle)
+        self._pay = PayRates()  # shared by the forks (`carry_over`), as `acc` is
+        self._head = _HeadPay(cfg.eagle, self._pay)
         self._head_ms = 0.0  # the head's drafting per step, ms (a moving average of weight HEAD_MS_RATE)
 
     def _set_cost(self, cost: CostCurve | None) -> None:
@@ -124,7 +136,7 @@ class DeviceAwareGoose(GoosePaper):
         super().start()
         self._learn = True  # before the prefill, whose chunks are harvested
         self.hst = HeadState()
-        self._head = _HeadPay(self.cfg.eagle)
+        self._head = _HeadPay(self.cfg.eagle, self._pay if self.cfg.device_aware.carry_over else None)
         self._head_ms = 0.0
 
     def take_features(self, hidden) -> None:
