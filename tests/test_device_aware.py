@@ -64,23 +64,23 @@ def test_a_tracked_curve_prices_rows_as_the_step_loop_measures_them():
     assert t(1, 4) == pytest.approx(12.0 + 3.0, rel=1e-4)  # no step with extra rows yet: their price is the curve's
     for _ in range(60):
         t.observe(1, 4, 0.0, (1.2 * 10.0 + 2 * 3.0) / 1e3)  # 4-row steps: their extra rows at twice the curve's
-    assert t.extra_scale(1) == pytest.approx(2.0, rel=1e-3)
+    assert t.extra_scale() == pytest.approx(2.0, rel=1e-3)
     assert t(1, 2) == pytest.approx(12.0 + 2 * 1.0, rel=1e-3) and t(1, 8) == pytest.approx(12.0 + 2 * 7.0, rel=1e-3)
     assert t(1, 1) == pytest.approx(12.0) and t.pricer(1)(3) == t(1, 3)
     t.observe(1, 4, 0.0, 60.0)  # a forward preempted for a minute counts as TRACK_CLAMP times its price
     for _ in range(10):
         t.observe(1, 4, 0.0, (1.2 * 10.0 + 2 * 3.0) / 1e3)
-    assert t.extra_scale(1) < 2.5  # (unclamped, 60,000 ms would hold it at the clamp of TRACK_CLAMP for long)
+    assert t.extra_scale() < 2.5  # (unclamped, 60,000 ms would hold it at the clamp of TRACK_CLAMP for long)
     for _ in range(100):
         t.observe(1, 4, 0.0, (1.2 * 10.0 + 3.0) / 1e3)  # quiet again: the curve's shape comes back
-    assert t.extra_scale(1) == pytest.approx(1.0, rel=1e-3)
-    assert t.scale(2) == 1.0 and t.extra_scale(2) == pytest.approx(1.0, rel=1e-3)  # u per sequence count, k shared
+    assert t.extra_scale() == pytest.approx(1.0, rel=1e-3)
+    assert t.scale(2) == 1.0  # u per sequence count (k is shared by all)
     for _ in range(30):
         t.observe(1, 4, 0.0, (1.2 * 10.0 + 4 * 3.0) / 1e3)  # extra rows at 4x: such trees are no longer verified
-    high = t.extra_scale(1)
+    high = t.extra_scale()
     for _ in range(200):
         t.observe(1, 1, 0.0, 0.012)  # ... so plain steps bring the price back toward the curve's, to be tried again
-    assert high > 3.5 and 1.0 < t.extra_scale(1) < 1 + (high - 1) / 2
+    assert high > 3.5 and 1.0 < t.extra_scale() < 1 + (high - 1) / 2
     with pytest.raises(ValueError):
         TrackedCost(base, rate=0.0)
 
@@ -101,7 +101,7 @@ def test_the_step_loop_tracks_its_curve_and_trees_follow_it(tiny_model):
     assert allocate_counts(cands, cost=slow) == [4]  # the whole chain pays at the curve's price
     for _ in range(30):
         slow.observe(1, 5, 0.0, (10.0 + 4 * 4 * 2.0) / 1e3)  # the forwards' extra rows at 4x the curve's price
-    assert slow.extra_scale(1) == pytest.approx(4.0) and allocate_counts(cands, cost=slow)[0] < 4
+    assert slow.extra_scale() == pytest.approx(4.0) and allocate_counts(cands, cost=slow)[0] < 4
 
 
 def test_monotone_pools_a_noisy_flat_start():

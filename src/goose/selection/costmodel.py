@@ -165,7 +165,7 @@ class TrackedCost:
         s = self._plain.get(sequences)
         return s[0] / s[1] if s is not None else 1.0
 
-    def extra_scale(self, sequences: int) -> float:
+    def extra_scale(self) -> float:
         num, den = self._extra
         return min(max(num / den, 1.0 / TRACK_CLAMP), TRACK_CLAMP)
 
@@ -174,7 +174,7 @@ class TrackedCost:
 
     def pricer(self, sequences: int, context: float = 0.0):
         at = self.base.pricer(sequences, context)
-        u, k = self.scale(sequences), self.extra_scale(sequences)
+        u, k = self.scale(sequences), self.extra_scale()
         if u == 1.0 and k == 1.0:
             return at
         p0 = at(sequences)
@@ -200,7 +200,7 @@ class TrackedCost:
         if extra <= 0:
             return
         u = self.scale(sequences)
-        priced = u * p0 + self.extra_scale(sequences) * extra
+        priced = u * p0 + self.extra_scale() * extra
         ms = min(max(seconds * 1e3, priced / TRACK_CLAMP), priced * TRACK_CLAMP)
         e = self._extra
         e[0] += r * (ms - u * p0 - e[0])
