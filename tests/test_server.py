@@ -350,7 +350,7 @@ def test_non_streaming_disconnect_cancels(worded):
         eng.close(timeout=10, cancel=True)
 
 
-def test_metrics_after_requests(client, url):
+def test_metrics_after_requests(client, url, engine):
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "metrics"}], max_tokens=6,
                                    temperature=0)
     status, headers, body = raw(url, "GET", "/metrics")
@@ -363,6 +363,7 @@ def test_metrics_after_requests(client, url):
                  "goose_requests_waiting", "goose_forward_calls_total", "goose_prompt_tokens_cached_total",
                  'goose_accepted_tokens_total{source="memory"}', 'goose_accepted_tokens_total{source="head"}'):
         assert name in text, name
+    assert f"\ngoose_step_threads {float(engine.step_threads)}\n" in text and engine.step_threads >= 1
 
 
 def test_memory_bytes_per_tenant_under_hashed_labels(client, url, engine):

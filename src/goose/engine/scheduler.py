@@ -25,6 +25,8 @@ import time
 from collections import deque
 from typing import NamedTuple
 
+import torch
+
 from ..backends.cpukernel import release_thread_team
 from ..config import EngineConfig, GooseConfig
 from ..drafting.memory import MemoryPool
@@ -290,6 +292,7 @@ class Engine:
         # the threads of the loop's forwards (one while that is faster: a contended CPU; `goose.engine.threads`)
         on_cpu = next(model.parameters()).device.type == "cpu"
         self.governor = ThreadGovernor() if settings.adapt_threads and on_cpu else None
+        self._threads = torch.get_num_threads()
         # the batched cost curve trees are priced by: on all threads, and on one (while the governor runs one)
         self._cost = self._cost_one = None
         self.method = method if isinstance(method, Method) else None
@@ -388,6 +391,12 @@ class Engine:
         """The methods a request may name: the default one first, then `EngineConfig.methods` ("ar" among them),
         or every method when the engine was given none."""
         return tuple(dict.fromkeys((self.default_method, *(self.settings.methods or METHODS))))
+
+    @property
+    def step_threads(self) -> int:
+        """The threads the step loop's forwards run on now (the thread governor's setting; without one, torch's
+        count when the engine was made)."""
+        return self.governor.threads if self.governor is not None else self._threads
 
     def load(self) -> tuple[int, int]:
         """(running requests, waiting requests)."""

@@ -115,6 +115,8 @@ class Metrics:
             .set_function(lambda: engine.load()[1])
         Gauge("goose_engine_steps", "Batched forwards the engine has run", registry=r) \
             .set_function(lambda: engine.steps)
+        Gauge("goose_step_threads", "Threads the engine's forwards run on now (fewer than the cores while "
+              "other processes hold them)", registry=r).set_function(lambda: engine.step_threads)
         self._sizes_seen: list[int] = []
         self.batch = Histogram("goose_batch_size", "Requests per engine step", buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
                                registry=r)
