@@ -10,7 +10,7 @@ import torch
 from conftest import greedy_memo, make_tiny_llama
 from goose import Engine
 from goose.config import EngineConfig
-from goose.engine.threads import FIRST_PROBE_S, PROBE_ROWS, PROBE_S, ThreadGovernor
+from goose.engine.threads import FIRST_PROBE_S, MAX_PROBE_S, PROBE_ROWS, PROBE_S, ThreadGovernor
 
 DT = 2.0 ** -7  # seconds between forwards (exact in binary: probes fall on exact steps)
 
@@ -46,11 +46,13 @@ def test_quiet_contended_quiet(threads):
     clock = Clock()
     gov = ThreadGovernor(threads=2, clock=clock)
     quiet = {2: 0.010, 1: 0.016}  # one thread: 1.6x slower
-    used = run(gov, clock, quiet.get, 1280)  # 10 s quiet: a probe on one thread at 0.25 s, then every 2 s
-    assert gov.threads == 2 and gov.switches == 0 and used.count(1) == 1 + int((1279 * DT - FIRST_PROBE_S) / PROBE_S)
+    used = run(gov, clock, quiet.get, 1280)  # 10 s quiet: probes on one thread at 0.25 s, then 4 s later (then 8)
+    assert gov.threads == 2 and gov.switches == 0
+    assert [i for i, n in enumerate(used) if n == 1] == [FIRST_PROBE_S / DT, (FIRST_PROBE_S + 2 * PROBE_S) / DT]
     busy = {2: 0.200, 1: 0.030}  # two busy processes: the team waits for descheduled threads
     used = run(gov, clock, busy.get, 600)
-    assert gov.threads == 1 and gov.switches == 1 and used.index(1) <= PROBE_S / DT + 1
+    assert gov.threads == 1 and gov.switches == 1 and used.index(1) == 1  # surprised: a probe at once
+    assert used[: int(2 * FIRST_PROBE_S / DT)].count(2) <= FIRST_PROBE_S / DT + 1  # on one thread within 0.5 s
     assert used[-50:].count(2) <= 1  # on one thread from then on (but for a probe)
     used = run(gov, clock, quiet.get, 600)  # quiet again: back to all threads at the next probe
     assert gov.threads == 2 and gov.switches == 2 and used[-50:].count(1) <= 1
@@ -77,6 +79,19 @@ def test_a_due_probe_waits_for_a_small_forward(threads):
     small = run(gov, clock, busy.get, 3, rows=PROBE_ROWS)  # the probe waited for this one, and it switches
     assert small == [1, 1, 1] and gov.switches == 1
     assert run(gov, clock, busy.get, 10, rows=300) == [1] * 10  # the setting itself covers every forward
+
+
+def test_probes_that_do_not_switch_come_ever_more_rarely(threads):
+    clock = Clock()
+    gov = ThreadGovernor(threads=2, clock=clock)
+    busy = {2: 0.200, 1: 0.030}
+    run(gov, clock, busy.get, 40)
+    assert gov.threads == 1
+    used = run(gov, clock, busy.get, int(120 / DT))  # two busy minutes on one thread
+    probes = [i * DT for i, n in enumerate(used) if n == 2]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[0] >= 2 * PROBE_S and max(gaps) <= MAX_PROBE_S + DT
+    assert len(probes) <= 3 + 120 / MAX_PROBE_S  # 6 here (every 2 s: 60 probes, each a slow forward)
 
 
 def test_noise_within_the_margin_never_switches(threads):

@@ -401,8 +401,9 @@ class EngineConfig:
     methods: tuple[str, ...] | None = None
     # the step loop's forwards move to one thread while that is faster (other processes hold the cores: an
     # OpenMP team then waits for descheduled threads at every parallel region) and back once it is not, as
-    # measured by a probe forward (of at most 16 query rows) every 2 s (`goose.engine.threads`); False: torch's
-    # threads as set
+    # measured by a probe forward of at most 16 query rows on the other setting (2 s after the last, each probe
+    # that does not switch doubling the wait up to 32 s; at once when a forward on all threads runs 1.5x slower
+    # than usual; `goose.engine.threads`); False: torch's threads as set
     adapt_threads: bool = True
 
     def __post_init__(self) -> None:

@@ -13,9 +13,13 @@ seconds, it runs one forward on the other setting (one thread, or all of them ag
 at most `PROBE_ROWS` query rows (a prompt chunk of hundreds of rows on one thread would cost a quiet machine a
 forward's time again: measured 507 against 183 ms for 188 prompt rows in int8 on a Zen 3 core pair). A probe faster
 than `SWITCH` times the median of the current setting's recent forwards of the same size (rows, in powers of
-two) switches the setting. On a quiet machine the probes cost one forward in a few hundred; on a busy one the
-loop moves to one thread within a fraction of a second and back once the machine is quiet. Tokens never depend
-on it: every row's arithmetic is the same on any number of threads.
+two) switches the setting. Each probe that does not switch doubles the wait for the next one, up to `MAX_PROBE_S`
+(a probe on all threads beside busy processes can cost a hundred forwards' time), and on all threads a forward
+`SURPRISE` times slower than its size's median (the machine got busy) makes the next small forward a probe on one
+thread (a cheap one), at most every `FIRST_PROBE_S`. So on a quiet machine the probes cost one forward in
+thousands; on a busy one the loop moves to one thread within a few forwards, and back within `MAX_PROBE_S` of the
+machine going quiet (one thread's own timings are too noisy there to tell a quiet machine from a lucky forward).
+Tokens never depend on it: every row's arithmetic is the same on any number of threads.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ REMEMBER_S = 30.0  # a new governor starts on the setting another one in this pr
 SWITCH = 0.8  # a probe this fraction of the current setting's median time (or less) switches
 RECENT = 8  # forwards per (setting, size) whose median the probe is compared with
 PROBE_ROWS = 16  # only forwards of at most this many query rows are probes (a due probe waits for one)
+MAX_PROBE_S = 32.0  # the longest wait between probes (each probe that does not switch doubles it from PROBE_S)
+SURPRISE = 1.5  # a forward this many times slower (or faster) than its size's median makes a probe due at once
 
 
 def _bucket(rows: int) -> int:
@@ -55,6 +61,8 @@ class ThreadGovernor:
         self.switches = 0
         self._recent: dict[tuple[int, int], deque] = {}
         self._last_probe = clock() - probe_s + min(FIRST_PROBE_S, probe_s)
+        self._fails = 0  # probes in a row that did not switch (each doubles the wait for the next)
+        self._due = False  # a surprising forward: the next small forward is a probe
         self._probing = False
         self.probed = False  # the last forward was a probe (on the other setting)
 
@@ -67,7 +75,9 @@ class ThreadGovernor:
         when a probe is due and the forward is small enough to be one."""
         if not self.enabled:
             return
-        self._probing = rows <= PROBE_ROWS and self.clock() - self._last_probe >= self.probe_s
+        wait = min(self.probe_s * 2 ** self._fails, max(MAX_PROBE_S, self.probe_s))
+        since = self.clock() - self._last_probe
+        self._probing = rows <= PROBE_ROWS and (since >= wait or self._due and since >= FIRST_PROBE_S)
         want = self.other if self._probing else self.threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
@@ -80,16 +90,24 @@ class ThreadGovernor:
         size = _bucket(rows)
         ThreadGovernor._chosen = (self.threads, self.clock())
         if not self._probing:
-            self._recent.setdefault((self.threads, size), deque(maxlen=RECENT)).append(seconds)
+            recent = self._recent.setdefault((self.threads, size), deque(maxlen=RECENT))
+            if self.threads == self.full and len(recent) >= RECENT // 2 and self.probe_s < float("inf"):
+                self._due = self._due or seconds > SURPRISE * sorted(recent)[len(recent) // 2]
+            recent.append(seconds)
             return
         self._last_probe = self.clock()
-        self._probing = False
+        self._probing = self._due = False
         mine = self._recent.get((self.threads, size))
         self._recent.setdefault((self.other, size), deque(maxlen=RECENT)).append(seconds)
         if mine and seconds <= SWITCH * sorted(mine)[len(mine) // 2]:
             self.threads = self.other
             self.switches += 1
+            self._fails = 0
+            self._recent = {(self.threads, size): deque([seconds], maxlen=RECENT)}  # the machine changed: medians
+            # of either setting from before would flag the new normal as a surprise
             ThreadGovernor._chosen = (self.threads, self.clock())
+        else:
+            self._fails += 1
 
     def release(self) -> None:
         """Give the calling thread its full thread count back (the setting is kept for the next forward)."""
