@@ -36,7 +36,7 @@ def run(gov: ThreadGovernor, clock: Clock, seconds_at, steps: int, rows: int = 4
 
 @pytest.fixture()
 def threads(monkeypatch):
-    monkeypatch.setattr(ThreadGovernor, "_chosen", (0, float("-inf")))  # no hint from another test's governor
+    monkeypatch.setattr(ThreadGovernor, "_chosen", (0, float("-inf"), 0))  # no hint from another test's governor
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
@@ -92,6 +92,9 @@ def test_probes_that_do_not_switch_come_ever_more_rarely(threads):
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[0] >= 2 * PROBE_S and max(gaps) <= MAX_PROBE_S + DT
     assert len(probes) <= 3 + 120 / MAX_PROBE_S  # 6 here (every 2 s: 60 probes, each a slow forward)
+    later = ThreadGovernor(threads=2, clock=clock)  # a new engine's governor in this process: where this one is,
+    used = run(later, clock, busy.get, int(MAX_PROBE_S / DT))  # its wait included (no early probe on two threads)
+    assert later.threads == 1 and 2 not in used[: int((MAX_PROBE_S - 1) / DT)]
 
 
 def test_noise_within_the_margin_never_switches(threads):

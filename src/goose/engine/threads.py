@@ -7,9 +7,8 @@ again, and a forward becomes tens of times slower (measured: `ar` fell from 128 
 2 busy processes) while one thread alone would only lose its share.
 
 `ThreadGovernor` measures instead of guessing: the loop runs its forwards on all threads (`torch`'s count when
-the governor was made, or the setting another governor of the process chose in the last `REMEMBER_S` seconds: a
-process-wide hint that shapes speed only), and `FIRST_PROBE_S` seconds after it starts, then every `PROBE_S`
-seconds, it runs one forward on the other setting (one thread, or all of them again) as a probe: the next forward of
+the governor was made), and `FIRST_PROBE_S` seconds after it starts, then every `PROBE_S` seconds, it runs one
+forward on the other setting (one thread, or all of them again) as a probe: the next forward of
 at most `PROBE_ROWS` query rows (a prompt chunk of hundreds of rows on one thread would cost a quiet machine a
 forward's time again: measured 507 against 183 ms for 188 prompt rows in int8 on a Zen 3 core pair). A probe faster
 than `SWITCH` times the median of the current setting's recent forwards of the same size (rows, in powers of
@@ -19,6 +18,8 @@ two) switches the setting. Each probe that does not switch doubles the wait for 
 thread (a cheap one), at most every `FIRST_PROBE_S`. So on a quiet machine the probes cost one forward in
 thousands; on a busy one the loop moves to one thread within a few forwards, and back within `MAX_PROBE_S` of the
 machine going quiet (one thread's own timings are too noisy there to tell a quiet machine from a lucky forward).
+A new governor starts where another one of the process left off in the last `REMEMBER_S` seconds (its setting and
+its wait for the next probe, with no early probe): a process-wide hint that shapes speed only.
 Tokens never depend on it: every row's arithmetic is the same on any number of threads.
 """
 
@@ -48,20 +49,21 @@ class ThreadGovernor:
     sets the thread count for the next forward (of `rows` query rows in all), `after(rows, seconds)` records it;
     `release` gives the calling thread its full count back (when the loop stops stepping on a caller's thread)."""
 
-    _chosen: tuple[int, float] = (0, float("-inf"))  # the process's last chosen setting, and when (a hint)
+    # the process's last chosen setting, when, and its probes in a row that did not switch (a hint)
+    _chosen: tuple[int, float, int] = (0, float("-inf"), 0)
 
     def __init__(self, threads: int | None = None, probe_s: float = PROBE_S, clock=time.monotonic) -> None:
         self.clock = clock
         self.full = int(threads or torch.get_num_threads())
         self.threads = self.full  # the current setting
-        chose, at = ThreadGovernor._chosen
-        if chose in (1, self.full) and 0 <= clock() - at < REMEMBER_S:
-            self.threads = chose
         self.probe_s = probe_s
         self.switches = 0
         self._recent: dict[tuple[int, int], deque] = {}
         self._last_probe = clock() - probe_s + min(FIRST_PROBE_S, probe_s)
         self._fails = 0  # probes in a row that did not switch (each doubles the wait for the next)
+        chose, at, fails = ThreadGovernor._chosen
+        if chose in (1, self.full) and 0 <= clock() - at < REMEMBER_S:  # another governor's setting, and its
+            self.threads, self._fails, self._last_probe = chose, fails, clock()  # wait: no early probe
         self._due = False  # a surprising forward: the next small forward is a probe
         self._probing = False
         self.probed = False  # the last forward was a probe (on the other setting)
@@ -88,7 +90,7 @@ class ThreadGovernor:
             return
         self.probed = self._probing
         size = _bucket(rows)
-        ThreadGovernor._chosen = (self.threads, self.clock())
+        ThreadGovernor._chosen = (self.threads, self.clock(), self._fails)
         if not self._probing:
             recent = self._recent.setdefault((self.threads, size), deque(maxlen=RECENT))
             if self.threads == self.full and len(recent) >= RECENT // 2 and self.probe_s < float("inf"):
@@ -105,9 +107,9 @@ class ThreadGovernor:
             self._fails = 0
             self._recent = {(self.threads, size): deque([seconds], maxlen=RECENT)}  # the machine changed: medians
             # of either setting from before would flag the new normal as a surprise
-            ThreadGovernor._chosen = (self.threads, self.clock())
         else:
             self._fails += 1
+        ThreadGovernor._chosen = (self.threads, self.clock(), self._fails)
 
     def release(self) -> None:
         """Give the calling thread its full thread count back (the setting is kept for the next forward)."""
