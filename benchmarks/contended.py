@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--busy", default="0,1,2")
     args = ap.parse_args()
     model, tok = load_model("smollm2-135m", arith=args.arith)
+    speed(model, tok, "goose", False, 16)  # warm-up: the process's first forwards (and cost curves) are not timed
     rows, quiet, ref = [], {}, {}
     for busy in [int(b) for b in args.busy.split(",")]:
         procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
