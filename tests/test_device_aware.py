@@ -58,29 +58,33 @@ def test_a_tracked_curve_prices_rows_as_the_step_loop_measures_them():
     base = BatchCostCurve.single(CostCurve((1, 2, 4, 8), (10.0, 11.0, 13.0, 17.0)))
     t = TrackedCost(base, rate=0.2)
     assert [t(1, n) for n in (1, 2, 4, 8)] == [base(1, n) for n in (1, 2, 4, 8)]  # nothing observed: the curve
+
+    def ms(n, u, k):  # a forward of n rows on one sequence when the plain step costs u and extra rows k times the curve
+        return (u * 10.0 + k * (base(1, n) - 10.0)) / 1e3
+
     for _ in range(60):
-        t.observe(1, 1, 0.0, 0.012)  # plain steps at 1.2x their price
-    assert t.scale(1) == pytest.approx(1.2, rel=1e-4)
-    assert t(1, 4) == pytest.approx(12.0 + 3.0, rel=1e-4)  # no step with extra rows yet: their price is the curve's
-    for _ in range(60):
-        t.observe(1, 4, 0.0, (1.2 * 10.0 + 2 * 3.0) / 1e3)  # 4-row steps: their extra rows at twice the curve's
-    assert t.extra_scale() == pytest.approx(2.0, rel=1e-3)
-    assert t(1, 2) == pytest.approx(12.0 + 2 * 1.0, rel=1e-3) and t(1, 8) == pytest.approx(12.0 + 2 * 7.0, rel=1e-3)
-    assert t(1, 1) == pytest.approx(12.0) and t.pricer(1)(3) == t(1, 3)
+        t.observe(1, 1, 0.0, ms(1, 1.2, 1.0))  # plain steps at 1.2x their price
+    u, k = t.factors(1)
+    assert u == pytest.approx(1.2, rel=0.02) and k == pytest.approx(1.0, rel=1e-6)  # no extra rows: k the curve's
+    for i in range(60):
+        n = (1, 2, 4, 8)[i % 4]
+        t.observe(1, n, 0.0, ms(n, 1.2, 2.0))  # trees of several sizes, their extra rows at twice the curve's
+    u, k = t.factors(1)
+    assert u == pytest.approx(1.2, rel=0.02) and k == pytest.approx(2.0, rel=0.02)
+    assert t(1, 4) == pytest.approx(u * 10.0 + k * 3.0) and t.pricer(1)(3) == t(1, 3) and t(1, 1) == u * 10.0
     t.observe(1, 4, 0.0, 60.0)  # a forward preempted for a minute counts as TRACK_CLAMP times its price
-    for _ in range(10):
-        t.observe(1, 4, 0.0, (1.2 * 10.0 + 2 * 3.0) / 1e3)
-    assert t.extra_scale() < 2.5  # (unclamped, 60,000 ms would hold it at the clamp of TRACK_CLAMP for long)
-    for _ in range(100):
-        t.observe(1, 4, 0.0, (1.2 * 10.0 + 3.0) / 1e3)  # quiet again: the curve's shape comes back
-    assert t.extra_scale() == pytest.approx(1.0, rel=1e-3)
-    assert t.scale(2) == 1.0  # u per sequence count (k is shared by all)
-    for _ in range(30):
-        t.observe(1, 4, 0.0, (1.2 * 10.0 + 4 * 3.0) / 1e3)  # extra rows at 4x: such trees are no longer verified
-    high = t.extra_scale()
+    for _ in range(5):
+        t.observe(1, 8, 0.0, ms(8, 1.2, 2.0))
+    assert t.factors(1)[1] < 2.5  # (unclamped, 60,000 ms would hold it far off for long)
     for _ in range(200):
-        t.observe(1, 1, 0.0, 0.012)  # ... so plain steps bring the price back toward the curve's, to be tried again
-    assert high > 3.5 and 1.0 < t.extra_scale() < 1 + (high - 1) / 2
+        t.observe(1, 1, 0.0, ms(1, 1.2, 1.0))  # only plain steps: the extra rows' price goes back to the curve's
+    assert t.factors(1)[1] == pytest.approx(1.0, rel=0.01) and t.factors(2) == (1.0, 1.0)  # (per sequence count)
+    rare = TrackedCost(base, rate=0.2)  # no plain step at all (`eagle2`): a machine 10% faster than the curve
+    for i in range(100):
+        n = (2, 3, 4, 8)[i % 4]
+        rare.observe(1, n, 0.0, ms(n, 0.9, 1.0))
+    u, k = rare.factors(1)
+    assert u == pytest.approx(0.9, rel=0.02) and k == pytest.approx(1.0, rel=0.05)  # not charged to the extra rows
     with pytest.raises(ValueError):
         TrackedCost(base, rate=0.0)
 
@@ -92,7 +96,7 @@ def test_the_step_loop_tracks_its_curve_and_trees_follow_it(tiny_model):
     with Engine(tiny_model, None, "goose", engine_config=EngineConfig(max_batch=1), thread=False) as eng:
         out = [t for block in eng.drive(eng.submit(prompt, 24)) for t in block]
         tracked = eng._cost
-        assert isinstance(tracked, TrackedCost) and tracked._plain[1][0] > 0  # its plain steps were observed
+        assert isinstance(tracked, TrackedCost) and tracked._sums[1][0] > 0  # its plain steps were observed
     assert out == hf_greedy(tiny_model, prompt, 24)
     tree = DraftTree.root(7)
     tree.add_chain(0, [8, 9, 10, 11], SPINE)
@@ -100,8 +104,9 @@ def test_the_step_loop_tracks_its_curve_and_trees_follow_it(tiny_model):
     slow = TrackedCost(BatchCostCurve.single(CostCurve((1, 8), (10.0, 24.0))), rate=0.5)  # a row: 2 ms
     assert allocate_counts(cands, cost=slow) == [4]  # the whole chain pays at the curve's price
     for _ in range(30):
+        slow.observe(1, 1, 0.0, 0.010)
         slow.observe(1, 5, 0.0, (10.0 + 4 * 4 * 2.0) / 1e3)  # the forwards' extra rows at 4x the curve's price
-    assert slow.extra_scale() == pytest.approx(4.0) and allocate_counts(cands, cost=slow)[0] < 4
+    assert slow.factors(1)[1] == pytest.approx(4.0, rel=0.02) and allocate_counts(cands, cost=slow)[0] < 4
 
 
 def test_monotone_pools_a_noisy_flat_start():

@@ -195,10 +195,11 @@ def _step(forward: Forward, slots: list[Slot], cost: CostModel | None, budget: i
     clock("tensorize")
     if not tensors:
         return
-    t0 = time.perf_counter()
-    outs = _forward(forward, [w for w, _ in tensors], [seg for _, seg in tensors], governor)  # 4. forward
-    if cost is not None and not prefills and len(outs) == len(tensors) and not (governor and governor.probed):
-        cost.observe(len(tensors), sum(len(seg.tokens) for _, seg in tensors), context, time.perf_counter() - t0)
+    segments = [seg for _, seg in tensors]
+    rows = sum(len(seg.tokens) for seg in segments)
+    outs, seconds = _forward(forward, [w for w, _ in tensors], segments, rows, governor)  # 4. forward
+    if cost is not None and seconds is not None and not prefills and not (governor and governor.probed):
+        cost.observe(len(segments), rows, context, seconds)  # (a decoding forward: the curve learns its time)
     for w, seg in tensors:
         w.hidden = seg.hidden
     clock("forward")
@@ -219,26 +220,27 @@ def _own(slot: Slot, stage: str, fn, *args):
         return None
 
 
-def _forward(forward: Forward, work: list[_Work], segments: list[Segment],
-             governor: ThreadGovernor | None = None) -> list[tuple[_Work, torch.Tensor]]:
-    """(work, logits) of one forward over every segment. When the shared forward raises, the segments run
-    again one by one, so only the request whose segment fails fails: those whose caches the failed call left
-    untouched are retried (their rows do not depend on the others': every committed token stays the one it
-    would have been), a request whose cache it already extended fails with the error."""
+def _forward(forward: Forward, work: list[_Work], segments: list[Segment], rows: int,
+             governor: ThreadGovernor | None = None) -> tuple[list[tuple[_Work, torch.Tensor]], float | None]:
+    """(work, logits) of one forward over every segment (`rows` query rows in all), and its seconds (None when it
+    failed). When the shared forward raises, the segments run again one by one, so only the request whose segment
+    fails fails: those whose caches the failed call left untouched are retried (their rows do not depend on the
+    others': every committed token stays the one it would have been), a request whose cache it already extended
+    fails with the error."""
     lengths = [seg.cache.length for seg in segments]
     try:
-        if governor is None:
-            return list(zip(work, forward.run(segments)))
-        rows = sum(len(seg.tokens) for seg in segments)
-        governor.before(rows)
+        if governor is not None:
+            governor.before(rows)
         t0 = time.perf_counter()
         outs = forward.run(segments)
-        governor.after(rows, time.perf_counter() - t0)
-        return list(zip(work, outs))
+        seconds = time.perf_counter() - t0
+        if governor is not None:
+            governor.after(rows, seconds)
+        return list(zip(work, outs)), seconds
     except Exception as exc:
         if len(segments) == 1:
             work[0].slot.fail("the forward", exc)
-            return []
+            return [], None
         out = []
         for w, seg, n in zip(work, segments, lengths):
             if seg.cache.length != n:
@@ -247,7 +249,7 @@ def _forward(forward: Forward, work: list[_Work], segments: list[Segment],
             logits = _own(w.slot, "the forward", forward.run, [seg])
             if logits is not None:
                 out.append((w, logits[0]))
-        return out
+        return out, None
 
 
 def _prefill_chunks(slots: list[Slot], budget: int | None) -> list[_Work]:

@@ -129,8 +129,9 @@ class BatchCostCurve:
 
 
 TRACK_RATE = 0.05  # weight of each forward in `TrackedCost`'s moving sums (about the last 20-40 forwards count)
-TRACK_CLAMP = 4.0  # a forward's time counts as at most this many times (and at least 1 / this) its price
-TRACK_RELAX = 0.25  # each plain step pulls the extra rows' correction toward 1 by this fraction of the rate
+TRACK_CLAMP = 4.0  # a forward's time counts as at most this many times (and at least 1 / this) its price; the
+# factors stay within [1 / TRACK_CLAMP, TRACK_CLAMP]
+TRACK_PRIOR = 0.05  # weight of the curve's own price (u = k = 1) in each fit, as one forward's
 
 
 class TrackedCost:
@@ -141,40 +142,39 @@ class TrackedCost:
     rows by computing, whose speed the machine's other tenants change), so a curve measured at one moment over- or
     under-verifies at the next.
 
-    Two corrections, each a ratio of moving sums that start at the curve's own price (forwards weighted `rate`,
-    each clamped to `TRACK_CLAMP` of its price): per sequence count S, `scale` u = observed / priced ms of plain
-    steps (one row per sequence); over all steps with drafted rows, `extra_scale` k = (observed ms - u x the plain
-    step's price) / the curve's price of the extra rows. Priced: ``u * cost(S, S) + k * (cost(S, n) - cost(S, S))``
-    for n > S rows (u * cost below). Rows priced too high are never verified, so nothing would correct k again:
-    every plain step pulls k back toward 1 by `rate` x `TRACK_RELAX` (after a few hundred plain steps trees are
-    tried again and measured). Tokens never depend on it: it only sizes trees."""
+    Per sequence count S, a step of n rows is modelled as ``u * cost(S, S) + k * (cost(S, n) - cost(S, S))`` (the
+    plain step's price scaled by u, the extra rows' by k), and (u, k) are fitted by least squares to the measured
+    forwards, each weighted `rate` in moving sums (each clamped to `TRACK_CLAMP` of its price), plus the curve
+    itself (u = k = 1) weighted `TRACK_PRIOR`. Plain steps alone fix u and leave k at the curve's; trees of
+    several sizes fix both (a ratio of extra time to extra price alone would charge the extra rows with any error of
+    u where plain steps are rare, as with `eagle2`); and as steps without extra rows replace those with them in the
+    moving sums, k returns to the curve's, so a price that stopped trees is tried again. Tokens never depend on
+    it: it only sizes trees."""
 
     def __init__(self, base: BatchCostCurve, rate: float = TRACK_RATE) -> None:
         if not 0 < rate <= 1:
             raise ValueError(f"the tracking rate must be in (0, 1], got {rate}")
         self.base, self.rate = base, rate
-        self._plain: dict[int, list[float]] = {}  # sequences -> moving sums [observed ms, priced ms]
-        one = max(base(1, 2) - base(1, 1), 1e-6) if base.max_size > 1 else 1.0
-        self._extra = [one, one]  # moving sums [observed ms - u * priced plain ms, priced extra ms]
+        # sequences -> moving sums of [p0 * p0, p0 * e, e * e, ms * p0, ms * e] (p0: the plain step's price, e: the
+        # extra rows' price, ms: the measured time) and the fitted (u, k)
+        self._sums: dict[int, list[float]] = {}
+        self._fit: dict[int, tuple[float, float]] = {}
+        self._ref = max(base(1, 2) - base(1, 1), 1e-6) if base.max_size > 1 else 1.0  # an extra row's price
 
     @property
     def max_size(self) -> int:
         return self.base.max_size
 
-    def scale(self, sequences: int) -> float:
-        s = self._plain.get(sequences)
-        return s[0] / s[1] if s is not None else 1.0
-
-    def extra_scale(self) -> float:
-        num, den = self._extra
-        return min(max(num / den, 1.0 / TRACK_CLAMP), TRACK_CLAMP)
+    def factors(self, sequences: int) -> tuple[float, float]:
+        """(u, k) for `sequences` sequences: the plain step's and the extra rows' price scales."""
+        return self._fit.get(sequences, (1.0, 1.0))
 
     def __call__(self, sequences: int, n: float, context: float = 0.0) -> float:
         return self.pricer(sequences, context)(n)
 
     def pricer(self, sequences: int, context: float = 0.0):
         at = self.base.pricer(sequences, context)
-        u, k = self.scale(sequences), self.extra_scale()
+        u, k = self.factors(sequences)
         if u == 1.0 and k == 1.0:
             return at
         p0 = at(sequences)
@@ -184,24 +184,20 @@ class TrackedCost:
         """A decoding forward (no prompt chunk in it) of `rows` query rows over `sequences` sequences, whose
         cached contexts hold `context` tokens on average, took `seconds`."""
         at = self.base.pricer(sequences, context)
-        p0, r = at(sequences), self.rate
+        p0 = at(sequences)
         if p0 <= 0:
             return
-        if rows <= sequences:
-            u = self.scale(sequences)
-            s = self._plain.setdefault(sequences, [p0, p0])
-            ms = min(max(seconds * 1e3, p0 * u / TRACK_CLAMP), p0 * u * TRACK_CLAMP)
-            s[0] += r * (ms - s[0])
-            s[1] += r * (p0 - s[1])
-            e = self._extra
-            e[0] += r * TRACK_RELAX * (e[1] - e[0])
-            return
-        extra = at(rows) - p0
-        if extra <= 0:
-            return
-        u = self.scale(sequences)
-        priced = u * p0 + self.extra_scale() * extra
+        e = max(0.0, at(rows) - p0) if rows > sequences else 0.0
+        u, k = self.factors(sequences)
+        priced = u * p0 + k * e
         ms = min(max(seconds * 1e3, priced / TRACK_CLAMP), priced * TRACK_CLAMP)
-        e = self._extra
-        e[0] += r * (ms - u * p0 - e[0])
-        e[1] += r * (extra - e[1])
+        sums = self._sums.setdefault(sequences, [0.0] * 5)
+        for j, x in enumerate((p0 * p0, p0 * e, e * e, ms * p0, ms * e)):
+            sums[j] += self.rate * (x - sums[j])
+        pp, pe, ee, mp, me = sums
+        wp, we = TRACK_PRIOR * p0 * p0, TRACK_PRIOR * self._ref * self._ref  # the curve's own weight
+        a, b, c, d, f = pp + wp, pe, ee + we, mp + wp, me + we  # normal equations [a b; b c] (u, k) = (d, f)
+        det = a * c - b * b
+        u, k = (d * c - b * f) / det, (a * f - b * d) / det
+        lo, hi = 1.0 / TRACK_CLAMP, TRACK_CLAMP
+        self._fit[sequences] = (min(max(u, lo), hi), min(max(k, lo), hi))
