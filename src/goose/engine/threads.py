@@ -37,7 +37,7 @@ SWITCH = 0.8  # a probe this fraction of the current setting's median time (or l
 RECENT = 8  # forwards per (setting, size) whose median the probe is compared with
 PROBE_ROWS = 16  # only forwards of at most this many query rows are probes (a due probe waits for one)
 MAX_PROBE_S = 32.0  # the longest wait between probes (each probe that does not switch doubles it from PROBE_S)
-SURPRISE = 1.5  # a forward this many times slower (or faster) than its size's median makes a probe due at once
+SURPRISE = 1.5  # a forward on all threads this many times slower than its size's median makes a probe due at once
 
 
 def _bucket(rows: int) -> int:
