@@ -309,14 +309,16 @@ def test_train_head_writes_a_head_that_loads_and_decodes_losslessly(worded, tmp_
     assert out == Decoder(model, tok, "ar").generate_ids(ids, DecodeConfig(max_new_tokens=12))[0]
 
 
-def test_train_head_is_deterministic_and_resumes(worded, tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_train_head_is_deterministic_and_resumes(worded, tmp_path, monkeypatch, precision):
     from goose.backends.lean import LeanForward
     from goose.headtrain import train_head
 
     model, tok = worded
     fwd = LeanForward(model)
-    cfg = _tiny_cfg(epochs=2.0)
-    train_head(model, tok, fwd, tmp_path / "a", tmp_path / "wa", cfg)
+    cfg = _tiny_cfg(epochs=2.0, precision=precision)
+    manifest = train_head(model, tok, fwd, tmp_path / "a", tmp_path / "wa", cfg)
+    assert manifest["precision"] == precision
     train_head(model, tok, fwd, tmp_path / "b", tmp_path / "wb", cfg)
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -337,6 +339,19 @@ def test_train_head_is_deterministic_and_resumes(worded, tmp_path, monkeypatch):
     train_head(model, tok, fwd, tmp_path / "c", tmp_path / "wc", cfg)  # resumes from step 2
     c = _weights(tmp_path / "c")
     assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_train_precision_auto_is_bfloat16_only_with_amx(monkeypatch):
+    import goose.machine as machine
+    from goose.headtrain import train_precision
+
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16", "amx_tile"}))
+    assert train_precision("auto") == "bfloat16"
+    monkeypatch.setattr(machine, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert train_precision("auto") == "float32"
+    assert train_precision("bfloat16") == "bfloat16" and train_precision("float32") == "float32"
+    with pytest.raises(GooseError, match="precision must be one of"):
+        train_precision("fp8")
 
 
 @pytest.mark.parametrize("regenerate", [0, 8])

@@ -134,7 +134,7 @@ class DraftHead(nn.Module):
         c = self.cfg
         B, n = tokens.shape
         x = self.fc(torch.cat([self.embed[tokens].to(feats.dtype), feats], dim=-1))
-        a = F.rms_norm(x, (c.hidden_size,), self.ln1, c.rms_norm_eps) if self.ln1 is not None else x
+        a = F.rms_norm(x, (c.hidden_size,), self.ln1.to(x.dtype), c.rms_norm_eps) if self.ln1 is not None else x
         q = self.q_proj(a).view(B, n, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(a).view(B, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(a).view(B, n, c.num_key_value_heads, c.head_dim).transpose(1, 2)
@@ -154,14 +154,14 @@ class DraftHead(nn.Module):
                 mask = torch.ones(n, P + n, dtype=torch.bool, device=q.device).tril_(P)
             o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
         x = x + self.o_proj(o.transpose(1, 2).reshape(B, n, -1))
-        m = F.rms_norm(x, (c.hidden_size,), self.ln2, c.rms_norm_eps)
+        m = F.rms_norm(x, (c.hidden_size,), self.ln2.to(x.dtype), c.rms_norm_eps)
         x = x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
         return x, (k, v)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of the head's outputs (`d2t` maps their columns to target ids)."""
-        h = F.rms_norm(out, (self.cfg.hidden_size,), self.norm, self.cfg.rms_norm_eps) if self.norm is not None \
-            else out
+        h = out if self.norm is None else \
+            F.rms_norm(out, (self.cfg.hidden_size,), self.norm.to(out.dtype), self.cfg.rms_norm_eps)
         return self.lm_head(h) if self.lm_head is not None else h @ self.embed_out.T
 
     # ---- files -----------------------------------------------------------------------------------------
