@@ -435,6 +435,28 @@ def test_train_head_refuses_features_collected_for_other_settings(worded, tmp_pa
         train_head(model, tok, fwd, tmp_path / "b", tmp_path / "w", _tiny_cfg(conversations=4))
 
 
+def test_train_head_refuses_a_checkpoint_of_another_training(worded, tmp_path):
+    """The features are reused for a new draft vocabulary, but the checkpoint of the old one is not resumed: it is
+    refused with the setting that differs, before any step (a checkpoint of no recorded settings, too)."""
+    from goose.backends.lean import LeanForward
+    from goose.headtrain import train_head
+
+    model, tok = worded
+    fwd = LeanForward(model)
+    train_head(model, tok, fwd, tmp_path / "a", tmp_path / "w", _tiny_cfg())
+    with pytest.raises(GooseError, match=r"checkpoint of another training \(draft_vocab 64 there, 32 here\)"):
+        train_head(model, tok, fwd, tmp_path / "b", tmp_path / "w", _tiny_cfg(draft_vocab=32))
+    assert not (tmp_path / "b").exists()
+    ckpt = tmp_path / "w" / "checkpoint.pt"
+    state = torch.load(ckpt)
+    del state["settings"]
+    torch.save(state, ckpt)
+    with pytest.raises(GooseError, match="written by an older goose"):
+        train_head(model, tok, fwd, tmp_path / "b", tmp_path / "w", _tiny_cfg())
+    ckpt.unlink()
+    assert train_head(model, tok, fwd, tmp_path / "b", tmp_path / "w", _tiny_cfg(draft_vocab=32))["draft_vocab"] == 32
+
+
 def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path):
     """goose's kernels (Q8_0 blocks or float32 panels) give the head's own forward up to their rounding."""
     import goose.backends.cpukernel as ck

@@ -76,6 +76,8 @@ class TrainConfig:
 
 
 PRECISIONS = ("auto", "float32", "bfloat16")
+# settings that change neither the features nor the trained weights (a checkpoint resumes across them)
+_NOT_TRAINING = ("checkpoint_every", "memory_gb", "regen_batch", "collect_chunk", "precision")
 
 
 def train_precision(name: str) -> str:
@@ -348,9 +350,13 @@ def _windows(n: int, window: int, rng: torch.Generator) -> torch.Tensor:
     return starts[torch.randperm(len(starts), generator=rng)]
 
 
-def evaluate(head: DraftHead, data: dict, t2d: torch.Tensor, unroll: int, window: int) -> list[float]:
-    """Held-out top-1 acceptance per depth (the head's first choice equals the target's token)."""
+def evaluate(head: DraftHead, data: dict, t2d: torch.Tensor, unroll: int, window: int,
+             scored: torch.Tensor | None = None) -> list[float]:
+    """Held-out top-1 acceptance per depth (the head's first choice equals the target's token); `scored` (bool per
+    position): count only those rows (e.g. the ones that draft an answer's tokens), default all."""
     nxt, lab, pos = _examples(data, t2d)
+    if scored is not None:
+        lab = lab.masked_fill(~scored, IGNORE)
     n = len(nxt) - len(nxt) % window
     if n < window:
         raise GooseError("the held-out split is shorter than one window")
@@ -423,8 +429,16 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
                                               * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     ckpt = workdir / "checkpoint.pt"
     step, losses = 0, []
+    # what a checkpoint's weights depend on besides the data: one written for other settings is refused
+    trained_for = {k: v for k, v in asdict(cfg).items() if k not in _NOT_TRAINING} | {"precision": precision}
     if ckpt.exists():
         state = torch.load(ckpt)
+        other = state.get("settings")
+        if other != trained_for:
+            diff = "written by an older goose, without its settings" if other is None else ", ".join(
+                f"{k} {other.get(k)!r} there, {v!r} here" for k, v in trained_for.items() if other.get(k) != v)
+            raise GooseError(f"{ckpt} is the checkpoint of another training ({diff}); use another --workdir, or "
+                             f"delete the checkpoint to start this training over")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
@@ -454,7 +468,7 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
             bar.set_postfix(loss=f"{losses[-1]:.3f}", top1=f"{stats[0][0] / max(1, stats[0][1]):.2f}")
             if step % cfg.checkpoint_every == 0 or step == steps:
                 _atomic_save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                              "step": step, "losses": losses}, ckpt)
+                              "step": step, "losses": losses, "settings": trained_for}, ckpt)
     head.eval()
     acc = evaluate(head, held, t2d, cfg.unroll, cfg.window)
     manifest = {
