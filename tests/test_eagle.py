@@ -495,9 +495,11 @@ def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path):
     assert (every - got).abs().max() > 1e-3 * got.abs().max()
 
 
-def _run_arms(pay, steps: int, with_head: tuple[float, int], without: tuple[float, int]) -> list[bool]:
+def _run_arms(pay, steps: int, with_head: tuple[float, int], without: tuple[float, int],
+              charged: float = 0.0) -> list[bool]:
     """`steps` steps through `pay` on a fake clock: a step with the head takes with_head[0] ms and commits
-    with_head[1] tokens, one without takes without[0] ms for without[1]. The arms chosen."""
+    with_head[1] tokens, one without takes without[0] ms for without[1]; a step with the head is also `charged`
+    ms (its drafting's hold-up of a batch's other requests). The arms chosen."""
     now = [0.0]
     pay.clock = lambda: now[0]
     chosen = []
@@ -506,6 +508,8 @@ def _run_arms(pay, steps: int, with_head: tuple[float, int], without: tuple[floa
         chosen.append(on)
         ms, tokens = with_head if on else without
         now[0] += ms / 1e3
+        if on and pay.on is not None:
+            pay.charge(charged)
         pay.observe(tokens)
     return chosen
 
@@ -533,6 +537,10 @@ def test_goose_drafts_with_the_head_only_while_its_steps_commit_more_tokens_per_
     _run_arms(first, 20, (7.0, 1), (5.0, 1))
     second = _run_arms(_HeadPay(EagleConfig(pay_rate=0.5, probe_every=4), first.rates), 4, (7.0, 1), (5.0, 1))
     assert second == [True, False, False, False]  # its first step (unmeasured), then the faster arm at once
+    # in a batch of 4 the head's 2 ms hold up 3 other requests: 2 tokens for 7 + 6 ms lose to 1 for 5 ms, though
+    # the request's own clock (7 ms) says they win
+    batched = _run_arms(_HeadPay(EagleConfig(pay_rate=0.5, probe_every=4)), 40, (7.0, 2), (5.0, 1), charged=6.0)
+    assert sum(batched[10:]) in (7, 8) and not all(batched[10:])
 
 
 def test_goose_learns_whether_its_head_pays_across_requests(tiny_model, tmp_path):

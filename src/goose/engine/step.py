@@ -280,16 +280,16 @@ def _draft(drafts: list[_Work], prefills: list[_Work], cost: CostModel | None, c
     if cost is not None and n_dec:
         base = decoding_cost(cost, len(prefills) + n_dec, n_pre + n_dec, context, n_pre, len(prefills))
         token_ms = n_dec / base if base > 0 else 0.0
-    return [w for w in drafts if _own(w.slot, "drafting", _draft_one, w, min_prob, token_ms) is not None]
+    return [w for w in drafts if _own(w.slot, "drafting", _draft_one, w, min_prob, token_ms, n_dec) is not None]
 
 
-def _draft_one(w: _Work, min_prob: float, token_ms: float) -> _Work:
+def _draft_one(w: _Work, min_prob: float, token_ms: float, batch: int) -> _Work:
     s = w.slot
     anchor = s.out[-1]
     prev = s.out[-2] if len(s.out) > 1 else s.prompt[-1]
     room = None if s.limit is None else s.limit - 1 - s.cache.length
     if s.method.offers_candidates:
-        w.cands = s.method.candidates(anchor, prev, room, min_prob, token_ms)
+        w.cands = s.method.candidates(anchor, prev, room, min_prob, token_ms, batch)
     else:
         tree = s.method.draft(anchor, prev)
         w.tree = tree if room is None else tree.within_depth(room)

@@ -22,10 +22,11 @@ class Method:
     memory: SuffixMemory | None = None
 
     def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
-                   min_prob: float = 0.0, token_ms: float = 0.0) -> Candidates:
+                   min_prob: float = 0.0, token_ms: float = 0.0, batch: int = 1) -> Candidates:
         """A candidate tree and its nodes' path probabilities (only when `offers_candidates`). `min_prob`: about
         the acceptance probability a node must reach to pay for its row in this step; `token_ms`: the tokens a
-        millisecond of this step is worth (both 0 without a cost curve; see `step._worth`)."""
+        millisecond of this step is worth (both 0 without a cost curve; see `step._worth`); `batch`: the
+        requests decoding in this step (a millisecond spent drafting holds up each of them)."""
         raise NotImplementedError(f"method '{self.name}' drafts its own tree (see `draft`)")
 
     def start(self) -> None:

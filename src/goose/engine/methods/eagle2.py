@@ -219,7 +219,7 @@ class Eagle2(Method):
         self.st.commit(tokens)
 
     def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
-                   min_prob: float = 0.0, token_ms: float = 0.0) -> Candidates:
+                   min_prob: float = 0.0, token_ms: float = 0.0, batch: int = 1) -> Candidates:
         """The head's tree (`HeadDrafter.grow`); none when `min_prob` is above any probability (a loaded batch,
         where no drafted row pays): then the head does not run, and its pending positions are left out of its
         cache but the last `catch_up`, as a resting head's in `goose`."""

@@ -55,7 +55,9 @@ class _HeadPay:
     request, so both averages follow the text. A new request drafts with the head first (that step, which runs
     the prompt's positions through the head, is not measured); until both arms are measured, each request's steps
     alternate between them. A head that rests skips the positions of its resting steps (`HeadState.skip`), so a
-    probe costs what a step of a drafting head costs."""
+    probe costs what a step of a drafting head costs. In a batch the step's clock is shared: a request's drafting
+    holds up every other request of the step, so its step is also charged its drafting time once per other request
+    (`charge`), and the head pays only where it pays the batch."""
 
     def __init__(self, cfg, rates: PayRates | None = None, clock=time.perf_counter) -> None:
         self.cfg, self.clock = cfg, clock
@@ -65,6 +67,7 @@ class _HeadPay:
         self.t = 0.0
         self.warm = False  # the head's first step (the prompt's catch-up) is done
         self.last = False  # the arm of this request's last measured step
+        self.extra = 0.0  # ms this step's drafting held up the batch's other requests (`charge`)
 
     def drafts(self) -> bool:
         c, rates = self.cfg, self.rates
@@ -80,14 +83,19 @@ class _HeadPay:
             self.since += 1
             if self.since >= c.probe_every:
                 on, self.since = not on, 0
-        self.on, self.t, self.last = on, self.clock(), on
+        self.on, self.t, self.last, self.extra = on, self.clock(), on, 0.0
         return on
+
+    def charge(self, ms: float) -> None:
+        """Add `ms` to this step's time: the milliseconds the head's drafting held up the other requests of the
+        step (its time times theirs), which their own clocks see and this request's does not."""
+        self.extra += ms
 
     def observe(self, tokens: int) -> None:
         if self.on is None:
             return
         arm, self.on = self.on, None
-        rate = tokens / max((self.clock() - self.t) * 1e3, 1e-6)
+        rate = tokens / max((self.clock() - self.t) * 1e3 + self.extra, 1e-6)
         rates = self.rates
         rates.seen[arm] += 1
         w = max(self.cfg.pay_rate, 1.0 / rates.seen[arm])  # (the first sample: w = 1)
@@ -159,7 +167,7 @@ class DeviceAwareGoose(GoosePaper):
             self.hst.commit(tokens)
 
     def candidates(self, anchor: int, prev: int | None, max_depth: int | None = None,
-                   min_prob: float = 0.0, token_ms: float = 0.0) -> Candidates:
+                   min_prob: float = 0.0, token_ms: float = 0.0, batch: int = 1) -> Candidates:
         """The context/memory spine tree's candidates (`_spine_candidates`), with the draft head's tree merged in
         when there is a head: each head node priced by its group's learned acceptance (`head_key`). The head
         does not run in a step where it cannot pay (`_head_may_pay`: a loaded batch), nor while it rests
@@ -173,6 +181,7 @@ class DeviceAwareGoose(GoosePaper):
         t = time.perf_counter()
         htree, _ = self.drafter.grow(self.hst, anchor, max_depth, min_prob)
         ms = (time.perf_counter() - t) * 1e3
+        self._head.charge(ms * (batch - 1))
         self._head_ms = ms if self._head_ms == 0.0 else self._head_ms + HEAD_MS_RATE * (ms - self._head_ms)
         if len(htree) == 1:
             return base
