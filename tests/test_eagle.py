@@ -263,6 +263,28 @@ def test_a_long_prompt_enters_the_heads_cache_by_its_last_catch_up_positions(tin
     assert dec.generate_ids(prompt, DecodeConfig(max_new_tokens=30))[0] == hf_greedy(tiny_model, prompt, 30)
 
 
+def test_a_further_depth_is_drafted_only_while_its_nodes_can_pay_for_its_time(tiny_model, tmp_path):
+    """Depths past the first are drafted while the joint probabilities of the nodes they expand sum to at least
+    the tokens the depth's measured drafting time is worth; without a price (token_ms 0) to the configured depth."""
+    from goose.engine.methods.eagle2 import HeadDrafter, HeadState
+
+    head = load_head(random_head(tiny_model, tmp_path / "h", 3), tiny_model)
+    prompt = [random.Random(8).randrange(TINY_VOCAB) for _ in range(12)]
+    hidden = torch.randn(len(prompt), tiny_model.config.hidden_size)
+
+    def depth(token_ms: float, depth_ms: float) -> tuple[int, float]:
+        drafter, st = HeadDrafter(head, EagleConfig(depth=4, top_k=2)), HeadState()
+        drafter.depth_ms = depth_ms
+        st.take_features(hidden)
+        drafter.begin(st, prompt + [7])
+        tree = drafter.grow(st, 7, token_ms=token_ms)[0]
+        return max(tree.depths), drafter.depth_ms
+
+    assert depth(0.0, 0.0)[0] == 4 and depth(0.0, 0.0)[1] > 0  # each drafted depth is timed
+    assert depth(1.0, 1e9)[0] == 1  # no depth's nodes can pay for a second of drafting
+    assert depth(1e-12, 1.0)[0] == 4  # nor does a nearly free depth stop
+
+
 def test_eagle2_config_bounds():
     for bad in (dict(depth=0), dict(top_k=0), dict(depth=33), dict(catch_up=0), dict(probe_every=-1),
                 dict(pay_rate=0.0)):

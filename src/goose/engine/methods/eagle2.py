@@ -13,13 +13,15 @@ positions, then each step's root and accepted nodes). A step drafts depth by dep
 3. every drafted node is a candidate: the device-aware selector verifies the subtree of highest path probability
    that pays for its rows under this device's cost curve (EAGLE-2's rerank to the node budget).
 
-Nodes below the step's worth threshold (`min_prob`) are not expanded. The head's rows of a step's draft are
-dropped afterwards; the verified positions come back with the target's own features next step. Only drafts
-depend on the head: every committed token is the target's.
+Nodes below the step's worth threshold (`min_prob`) are not expanded, and a further depth is drafted only while
+the nodes it expands could add the tokens its measured drafting time is worth (`HeadDrafter.grow`). The head's
+rows of a step's draft are dropped afterwards; the verified positions come back with the target's own features
+next step. Only drafts depend on the head: every committed token is the target's.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +35,8 @@ from ...selection.costmodel import CostCurve
 from ...selection.selector import Candidates
 from ..measure import load_or_measure
 from .base import Method
+
+DEPTH_MS_RATE = 0.25  # weight of each drafted depth's time in `HeadDrafter.depth_ms`
 
 
 class HeadState:
@@ -88,6 +92,7 @@ class HeadDrafter:
 
     def __init__(self, head: DraftHead, cfg: EagleConfig) -> None:
         self.head, self.cfg = head, cfg
+        self.depth_ms = 0.0  # one further depth's drafting (the head's layer and logits), ms: a moving average
         try:  # goose's kernels where they run (float32 CPU), else the head's PyTorch forward
             self.fast = FastHead(head) if head.fc.weight.device.type == "cpu" else None
         except GooseError:
@@ -138,9 +143,12 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def grow(self, st: HeadState, anchor: int, max_depth: int | None = None,
-             min_prob: float = 0.0) -> tuple[DraftTree, list[float]]:
+             min_prob: float = 0.0, token_ms: float = 0.0) -> tuple[DraftTree, list[float]]:
         """The step's tree under `anchor` (source HEAD, ranks by `head_rank`) and each node's probability under
-        the head (the root's 1). Nodes whose joint probability is below `min_prob` are not expanded."""
+        the head (the root's 1). Nodes whose joint probability is below `min_prob` are not expanded, and no
+        further depth is drafted when the joint probabilities of the nodes it would expand sum to less than the
+        tokens its drafting time is worth (`depth_ms` times `token_ms`, the step's tokens per millisecond): the
+        most the next depth's nodes could add (0: no limit)."""
         cfg = self.cfg
         tree = DraftTree.root(anchor)
         q = [1.0]
@@ -161,8 +169,9 @@ class HeadDrafter:
         m0 = 0  # expansion rows of this step so far
         for d in range(2, depth_cap + 1):
             level = sorted((x for x in level if x[1] >= min_prob), key=lambda x: -x[1])[: cfg.top_k]
-            if not level:
+            if not level or sum(x[1] for x in level) < self.depth_ms * token_ms:
                 break
+            t = time.perf_counter()
             n = len(level)
             seen = torch.zeros(n, m0 + n, dtype=torch.bool)  # over this step's rows (the cache's: all seen)
             for j, (i, _, _) in enumerate(level):
@@ -179,6 +188,8 @@ class HeadDrafter:
                 row_of[i] = m0 + j
             m0 += n
             toks, probs = self._children(out)
+            ms = (time.perf_counter() - t) * 1e3
+            self.depth_ms = ms if self.depth_ms == 0.0 else self.depth_ms + DEPTH_MS_RATE * (ms - self.depth_ms)
             nxt = []
             for j, (i, pv, _) in enumerate(level):
                 for t, p in zip(toks[j].tolist(), probs[j].tolist()):
@@ -226,7 +237,7 @@ class Eagle2(Method):
         if min_prob > 1.0:
             self.st.skip(self.cfg.catch_up)
             return Candidates(DraftTree.root(anchor, route="ar"), [1.0])
-        tree, q = self.drafter.grow(self.st, anchor, max_depth, min_prob)
+        tree, q = self.drafter.grow(self.st, anchor, max_depth, min_prob, token_ms)
         return Candidates(tree, q)
 
 

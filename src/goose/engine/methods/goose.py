@@ -179,7 +179,7 @@ class DeviceAwareGoose(GoosePaper):
             self.hst.skip()
             return base
         t = time.perf_counter()
-        htree, _ = self.drafter.grow(self.hst, anchor, max_depth, min_prob)
+        htree, _ = self.drafter.grow(self.hst, anchor, max_depth, min_prob, token_ms)
         ms = (time.perf_counter() - t) * 1e3
         self._head.charge(ms * (batch - 1))
         self._head_ms = ms if self._head_ms == 0.0 else self._head_ms + HEAD_MS_RATE * (ms - self._head_ms)
