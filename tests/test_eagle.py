@@ -530,7 +530,7 @@ def _run_arms(pay, steps: int, with_head: tuple[float, int], without: tuple[floa
         chosen.append(on)
         ms, tokens = with_head if on else without
         now[0] += ms / 1e3
-        if on and pay.on is not None:
+        if on:
             pay.charge(charged)
         pay.observe(tokens)
     return chosen

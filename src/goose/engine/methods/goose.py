@@ -88,8 +88,10 @@ class _HeadPay:
 
     def charge(self, ms: float) -> None:
         """Add `ms` to this step's time: the milliseconds the head's drafting held up the other requests of the
-        step (its time times theirs), which their own clocks see and this request's does not."""
-        self.extra += ms
+        step (its time times theirs), which their own clocks see and this request's does not (a step that is not
+        measured: nothing)."""
+        if self.on is not None:
+            self.extra += ms
 
     def observe(self, tokens: int) -> None:
         if self.on is None:
