@@ -37,21 +37,21 @@ def main() -> None:
     qs = load("spec-bench", limit=args.limit)
     convs = [(i, [{"role": "user", "content": q.turns[0]}]) for i, q in enumerate(qs)]
     data = regenerate_collect(fwd, tok, convs, 1024, args.new_tokens, eos_ids(model, tok))
+    starts, asked = data["starts"].tolist(), data["prompt_lengths"].tolist()
+    ends = starts[1:] + [len(data["tokens"])]
+    # row j drafts the token after j + 1; decoding drafts from the answer's second token on (the first comes from
+    # the prefill): rows s + n - 1 onward, whose labels are the answers' tokens
+    scored = torch.zeros(len(data["tokens"]), dtype=torch.bool)
+    for s, n, e in zip(starts, asked, ends):
+        scored[s + n - 1 : e] = True
+    answers = data["labels"][scored].long()
     vocab = model.get_output_embeddings().weight.shape[0]
     for name in args.heads:
         path = packaged_head(model) if name == "packaged" else Path(name)
         head = load_head(path, model)
         t2d = torch.full((vocab,), IGNORE, dtype=torch.long)
         t2d[head.d2t] = torch.arange(len(head.d2t))
-        starts, asked = data["starts"].tolist(), data["prompt_lengths"].tolist()
-        ends = starts[1:] + [len(data["tokens"])]
-        # row j drafts the token after j + 1; decoding drafts from the answer's second token on (the first comes
-        # from the prefill): rows s + n - 1 onward
-        scored = torch.zeros(len(data["tokens"]), dtype=torch.bool)
-        for s, n, e in zip(starts, asked, ends):
-            scored[s + n - 1 : e] = True
-        answers = torch.cat([data["labels"][s + n - 1 : e] for s, n, e in zip(starts, asked, ends)])
-        covered = float((t2d[answers.long()] != IGNORE).float().mean())
+        covered = float((t2d[answers] != IGNORE).float().mean())
         acc = evaluate(head, data, t2d, args.unroll, 256, scored)
         print(json.dumps({"head": str(path), "questions": len(qs), "tokens": len(data["tokens"]),
                           "answer_rows": int(scored.sum()), "top1_by_depth": acc,

@@ -171,7 +171,7 @@ class HeadDrafter:
             level = sorted((x for x in level if x[1] >= min_prob), key=lambda x: -x[1])[: cfg.top_k]
             if not level or sum(x[1] for x in level) < self.depth_ms * token_ms:
                 break
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             n = len(level)
             seen = torch.zeros(n, m0 + n, dtype=torch.bool)  # over this step's rows (the cache's: all seen)
             for j, (i, _, _) in enumerate(level):
@@ -188,7 +188,7 @@ class HeadDrafter:
                 row_of[i] = m0 + j
             m0 += n
             toks, probs = self._children(out)
-            ms = (time.perf_counter() - t) * 1e3
+            ms = (time.perf_counter() - t0) * 1e3
             self.depth_ms = ms if self.depth_ms == 0.0 else self.depth_ms + DEPTH_MS_RATE * (ms - self.depth_ms)
             nxt = []
             for j, (i, pv, _) in enumerate(level):
