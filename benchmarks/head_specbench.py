@@ -36,7 +36,12 @@ def main() -> None:
     fwd = default_forward(model, args.arith)
     qs = load("spec-bench", limit=args.limit)
     convs = [(i, [{"role": "user", "content": q.turns[0]}]) for i, q in enumerate(qs)]
-    data = regenerate_collect(fwd, tok, convs, 1024, args.new_tokens, eos_ids(model, tok))
+    heads = [(packaged_head(model) if name == "packaged" else Path(name)) for name in args.heads]
+    heads = [(path, load_head(path, model)) for path in heads]
+    taps = sorted({t for _, h in heads for t in h.cfg.feature_layers})  # every fused head's layers, read once
+    data = regenerate_collect(fwd, tok, convs, 1024, args.new_tokens, eos_ids(model, tok),
+                              features=tuple(taps) or True)
+    H = model.config.hidden_size
     starts, asked = data["starts"].tolist(), data["prompt_lengths"].tolist()
     ends = starts[1:] + [len(data["tokens"])]
     # row j drafts the token after j + 1; decoding drafts from the answer's second token on (the first comes from
@@ -46,13 +51,13 @@ def main() -> None:
         scored[s + n - 1 : e] = True
     answers = data["labels"][scored].long()
     vocab = model.get_output_embeddings().weight.shape[0]
-    for name in args.heads:
-        path = packaged_head(model) if name == "packaged" else Path(name)
-        head = load_head(path, model)
+    for path, head in heads:
+        blocks = [taps.index(t) for t in head.cfg.feature_layers] + [len(taps)]  # its layers, then the final state
+        mine = dict(data, feats=torch.cat([data["feats"][:, b * H : (b + 1) * H] for b in blocks], 1))
         t2d = torch.full((vocab,), IGNORE, dtype=torch.long)
         t2d[head.d2t] = torch.arange(len(head.d2t))
         covered = float((t2d[answers] != IGNORE).float().mean())
-        acc = evaluate(head, data, t2d, args.unroll, 256, scored)
+        acc = evaluate(head, mine, t2d, args.unroll, 256, scored)
         print(json.dumps({"head": str(path), "questions": len(qs), "tokens": len(data["tokens"]),
                           "answer_rows": int(scored.sum()), "top1_by_depth": acc,
                           "draft_vocab_coverage_of_answers": round(covered, 4)}))

@@ -168,16 +168,18 @@ def worded():
     return make_tiny_llama(dtype=torch.float32, vocab=len(tok), seed=2), tok
 
 
-def random_head(model, folder, seed: int = 0, draft_vocab: int | None = None, eagle1: bool = False):
+def random_head(model, folder, seed: int = 0, draft_vocab: int | None = None, eagle1: bool = False,
+                fused: bool = False):
     """A draft head of random weights for `model`, written to `folder` (`goose.backends.head`'s format).
     `draft_vocab`: tokens it can propose (a random subset; default all); `eagle1`: the EAGLE-1/2 layout (no
-    input or final norm, the target's own output head)."""
+    input or final norm, the target's own output head); `fused`: it also reads the stream after the first
+    decoder layer (EAGLE-3's feature fusion)."""
     from goose.backends.head import DraftHead, HeadConfig, save_head
 
     gen = torch.Generator().manual_seed(seed)
     vocab = model.get_output_embeddings().weight.shape[0]
     size = vocab if eagle1 or draft_vocab is None else draft_vocab
-    head = DraftHead(HeadConfig.for_target(model, size), model.get_input_embeddings().weight,
+    head = DraftHead(HeadConfig.for_target(model, size, (0,) if fused else ()), model.get_input_embeddings().weight,
                      norms=not eagle1, own_lm_head=not eagle1)
     with torch.no_grad():
         for p in head.parameters():

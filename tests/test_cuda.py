@@ -592,3 +592,30 @@ def test_a_cuda_models_default_forward_is_one_gpu_forward_per_model():
         assert isinstance(requests._gpu_forward(model, "exact"), HFForward)
     finally:
         model.config.model_type = "llama"
+
+
+def test_a_fused_heads_taps_run_eagerly_and_are_the_normalized_streams():
+    from goose.protocols import tap_norm
+
+    model = model32()
+    fwd = GPUForward(model, device="cpu", max_len=64, slots=2)
+    ids = [4, 5, 6, 7]
+    seg = Segment(fwd.cache, ids, features=(0,))
+    fwd.cache.reset()
+    fwd.run([seg])
+    with torch.inference_mode():
+        states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    h = model.config.hidden_size
+    assert seg.hidden.shape == (4, 2 * h)
+    torch.testing.assert_close(seg.hidden[:, :h], tap_norm(states[1][0]), rtol=1e-4, atol=1e-4)
+    with pytest.raises(GooseError, match="feature taps"):
+        fwd.run([Segment(fwd.new_cache(), ids, features=(9,))])
+    # with graphs captured, a tapped call runs eagerly (the graphs return the final state only), the same rows
+    fwd = GPUForward(model, device="cpu", mode="fixed", max_len=160, slots=3, graphs=True, make_graph=StandInGraph)
+    plain, tapped = Segment(fwd.new_cache(), ids, features=True), Segment(fwd.new_cache(), ids, features=(0,))
+    plain.cache.reset()
+    tapped.cache.reset()
+    a, b = fwd.run([plain])[0], fwd.run([tapped])[0]
+    assert fwd.runner.replays == 1  # the plain call's bucket only
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(tapped.hidden[:, h:], plain.hidden)

@@ -41,11 +41,11 @@ def eagle(model, folder, depth=5, top_k=4, cost=FLAT, catch_up=64) -> Eagle2:
 @given(prompt=prompts, max_new=st.integers(1, 40), seed=st.integers(0, 2), head_seed=st.integers(0, 1000),
        draft_vocab=st.integers(1, TINY_VOCAB), top_k=st.integers(1, 6), depth=st.integers(1, 6),
        eagle1=st.booleans(), curve=st.sampled_from(sorted(CURVES)), backend=st.sampled_from(["hf", "lean"]),
-       catch_up=st.integers(1, 300))
+       catch_up=st.integers(1, 300), fused=st.booleans())
 def test_eagle2_equals_greedy_whatever_the_head(tmp_path_factory, prompt, max_new, seed, head_seed, draft_vocab,
-                                                top_k, depth, eagle1, curve, backend, catch_up):
+                                                top_k, depth, eagle1, curve, backend, catch_up, fused):
     model = _model(seed)
-    folder = random_head(model, tmp_path_factory.mktemp("head"), head_seed, draft_vocab, eagle1)
+    folder = random_head(model, tmp_path_factory.mktemp("head"), head_seed, draft_vocab, eagle1, fused)
     fwd = HFForward(model) if backend == "hf" else LeanForward(model)
     dec = Decoder(model, None, eagle(model, folder, depth, top_k, CURVES[curve], catch_up), forward=fwd)
     out, stats = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=max_new))
@@ -57,11 +57,11 @@ def test_eagle2_equals_greedy_whatever_the_head(tmp_path_factory, prompt, max_ne
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=prompts, max_new=st.integers(1, 40), seed=st.integers(0, 2), head_seed=st.integers(0, 1000),
        draft_vocab=st.integers(1, TINY_VOCAB), top_k=st.integers(1, 6), depth=st.integers(1, 6),
-       curve=st.sampled_from(sorted(CURVES)), backend=st.sampled_from(["hf", "lean"]))
+       curve=st.sampled_from(sorted(CURVES)), backend=st.sampled_from(["hf", "lean"]), fused=st.booleans())
 def test_goose_with_a_head_equals_greedy_whatever_the_head(tmp_path_factory, prompt, max_new, seed, head_seed,
-                                                           draft_vocab, top_k, depth, curve, backend):
+                                                           draft_vocab, top_k, depth, curve, backend, fused):
     model = _model(seed)
-    folder = random_head(model, tmp_path_factory.mktemp("head"), head_seed, draft_vocab)
+    folder = random_head(model, tmp_path_factory.mktemp("head"), head_seed, draft_vocab, fused=fused)
     cfg = GooseConfig(eagle=EagleConfig(head=str(folder), depth=depth, top_k=top_k))
     fwd = HFForward(model) if backend == "hf" else LeanForward(model)
     dec = Decoder(model, None, "goose", cfg, forward=fwd, cost=CURVES[curve])
@@ -151,10 +151,11 @@ def test_a_head_does_not_run_in_steps_where_none_of_its_rows_can_pay(tiny_model,
     assert not m._head_may_pay(0.9, 8 / 15)  # eight: at most ~0.05 tokens for 0.27 tokens' worth
 
 
-def test_engine_eagle2_concurrent_requests_equal_greedy(tiny_model, tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_engine_eagle2_concurrent_requests_equal_greedy(tiny_model, tmp_path, fused):
     from goose.engine.scheduler import Engine
 
-    folder = random_head(tiny_model, tmp_path / "h", 1, 40)
+    folder = random_head(tiny_model, tmp_path / "h", 1, 40, fused=fused)
     rng = random.Random(1)
     prompts_ = [[rng.randrange(2, TINY_VOCAB) for _ in range(rng.randrange(1, 15))] for _ in range(6)]
     eng = Engine(tiny_model, None, config=GooseConfig(eagle=EagleConfig(head=str(folder))), max_batch=4)
@@ -217,6 +218,18 @@ def test_bad_head_files_are_one_line_errors(tiny_model, tmp_path):
     w["fc.weight"] = torch.zeros(32, 96)
     save_file(w, str(bad / "model.safetensors"))
     _expect(bad, tiny_model, "EAGLE-3")
+    # a fused head naming layers the model does not have (or its last), or without its fuse weight
+    for name, layers in (("taps-out", [5]), ("taps-last", [1]), ("taps-order", [0, 0]), ("taps-type", ["0"])):
+        bad = random_head(tiny_model, tmp_path / name, 0, 30, fused=True)
+        raw = json.loads((bad / "config.json").read_text())
+        raw["goose"]["feature_layers"] = layers
+        (bad / "config.json").write_text(json.dumps(raw))
+        _expect(bad, tiny_model, "feature_layers")
+    bad = random_head(tiny_model, tmp_path / "nofuse", 0, 30, fused=True)
+    w = load_file(str(bad / "model.safetensors"))
+    w.pop("fuse.weight")
+    save_file(w, str(bad / "model.safetensors"))
+    _expect(bad, tiny_model, "fuse.weight")
     # a d2t outside the vocabulary, a missing weight, an unknown weight
     for name, change in (("d2t", lambda w: w.__setitem__("d2t", w["d2t"] + 1000)),
                          ("missing", lambda w: w.pop("layers.0.mlp.up_proj.weight")),
@@ -309,14 +322,20 @@ def _weights(folder):
     return load_file(str(folder / "model.safetensors"))
 
 
-def test_train_head_writes_a_head_that_loads_and_decodes_losslessly(worded, tmp_path):
+@pytest.mark.parametrize("taps,soft", [((), False), ((0,), True)])
+def test_train_head_writes_a_head_that_loads_and_decodes_losslessly(worded, tmp_path, taps, soft):
     from goose.backends.lean import LeanForward
     from goose.headtrain import train_head
 
     model, tok = worded
     fwd = LeanForward(model)
-    manifest = train_head(model, tok, fwd, tmp_path / "head", tmp_path / "work", _tiny_cfg(), command="test")
+    manifest = train_head(model, tok, fwd, tmp_path / "head", tmp_path / "work",
+                          _tiny_cfg(feature_layers=taps, soft=soft), command="test")
+    assert manifest["config"]["soft"] is soft
     assert manifest["steps"] >= 2 and manifest["draft_vocab"] == 64
+    assert manifest["feature_layers"] == list(taps)
+    data = torch.load(tmp_path / "work" / "data.pt")
+    assert data["train"]["feats"].shape[1] == model.config.hidden_size * (len(taps) + 1)
     assert len(manifest["held_out_top1_by_depth"]) == 2
     assert manifest["data"]["train_conversations"] == [2000, 2003]
     assert manifest["data"]["held_out_conversations"] == [1000, 1002]
@@ -324,7 +343,7 @@ def test_train_head_writes_a_head_that_loads_and_decodes_losslessly(worded, tmp_
     assert json.loads((tmp_path / "head" / "manifest.json").read_text())["data"]["sha256"] == \
         manifest["data"]["sha256"]
     head = load_head(tmp_path / "head", model)
-    assert head.cfg.draft_vocab_size == 64
+    assert head.cfg.draft_vocab_size == 64 and head.cfg.feature_layers == taps
     dec = Decoder(model, tok, eagle(model, tmp_path / "head"))
     ids = tok.encode("Hello there, how are you?")
     out, _ = dec.generate_ids(ids, DecodeConfig(max_new_tokens=12))
@@ -479,21 +498,23 @@ def test_train_head_refuses_a_checkpoint_of_another_training(worded, tmp_path):
     assert train_head(model, tok, fwd, tmp_path / "b", tmp_path / "w", _tiny_cfg(draft_vocab=32))["draft_vocab"] == 32
 
 
-def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path):
-    """goose's kernels (Q8_0 blocks or float32 panels) give the head's own forward up to their rounding."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path, fused):
+    """goose's kernels (Q8_0 blocks or float32 panels) give the head's own forward up to their rounding (a fused
+    head's depth-1 rows through its fuse folded into fc, deeper rows as an unfused head's)."""
     import goose.backends.cpukernel as ck
     from goose.backends.head import FastHead, HeadCache
 
     if ck.unavailable_reason() is not None:
         pytest.skip(f"goose's kernels do not run here: {ck.unavailable_reason()}")
     model = make_tiny_llama(dtype=torch.float32, seed=4)
-    head = load_head(random_head(model, tmp_path / "h", 3, 64), model)
+    head = load_head(random_head(model, tmp_path / "h", 3, 64, fused=fused), model)
     with torch.no_grad():
         for p in head.parameters():
             p.mul_(0.3)
     fast = FastHead(head)
     toks = torch.tensor([5, 9, 11, 3])
-    feats = torch.randn(4, 32)
+    feats = torch.randn(4, 64 if fused else 32)
     pos = torch.arange(4)
     tol = 0.1 if fast.kind.startswith("q8") else 1e-4
     mine, theirs = HeadCache(), HeadCache()
@@ -596,3 +617,65 @@ def test_a_head_fits_a_lower_precision_copy_of_its_model_but_not_another_model(t
     assert load_head(folder, model) is not None
     other = target_identity(make_tiny_llama(dtype=torch.float32, seed=5))
     assert target_mismatch(mine, other) == [f"lm_head_digest {mine['lm_head_digest']} vs {other['lm_head_digest']}"]
+
+
+@pytest.mark.parametrize("backend", ["hf", "lean", "lean-by-layer"])
+def test_feature_taps_are_the_normalized_streams_after_those_layers(tmp_path, backend):
+    """A fused head's input: the residual stream after each tapped layer (RMS-normalized), then the final state,
+    the same rows as a forward without taps gives, and the same logits."""
+    from goose.protocols import Segment, tap_norm
+
+    model = make_tiny_llama(dtype=torch.float32, seed=5, layers=3)
+    fwd = HFForward(model) if backend == "hf" else LeanForward(model)
+    if backend == "lean-by-layer":
+        fwd.plan = None  # the per-projection path (qwen3, PyTorch's kernels)
+    ids = [5, 9, 11, 3, 17, 2, 8]
+    plain, tapped = fwd.new_cache(), fwd.new_cache()
+    plain.reset()
+    tapped.reset()
+    a, b = Segment(plain, ids, features=True), Segment(tapped, ids, features=(0, 1))
+    la, lb = fwd.run([a])[0], fwd.run([b])[0]
+    assert torch.equal(la, lb)
+    assert b.hidden.shape == (len(ids), 3 * 32)
+    assert torch.equal(b.hidden[:, 64:], a.hidden)
+    with torch.no_grad():
+        states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for j, layer in enumerate((0, 1)):
+        ref = tap_norm(states[layer + 1][0])
+        assert (b.hidden[:, 32 * j : 32 * (j + 1)] - ref).abs().max() < 1e-4
+    # a later step over a batch: taps only for the segment that asks, each its own rows
+    c = fwd.new_cache()
+    c.reset()
+    fwd.run([Segment(c, ids[:4])])
+    more = [Segment(c, ids[4:], features=(1,)), Segment(plain, [4, 6])]
+    fwd.run(more)
+    assert more[0].hidden.shape == (3, 64) and more[1].hidden is None
+    assert (more[0].hidden[:, :32] - tap_norm(states[2][0, 4:])).abs().max() < 1e-4
+    with pytest.raises(GooseError, match="feature taps"):
+        fwd.run([Segment(fwd.new_cache(), ids, features=(3,))])
+
+
+def test_soft_labels_are_the_next_rows_distribution_over_the_draft_vocabulary(tmp_path):
+    from goose.headtrain import IGNORE, _masks, _soft_examples, unrolled_loss
+
+    t2d = torch.full((10,), IGNORE, dtype=torch.long)
+    t2d[torch.tensor([2, 5, 7])] = torch.tensor([0, 1, 2])  # draft vocabulary: target tokens 2, 5, 7
+    data = {"soft_ids": torch.tensor([[5, 2, 9], [7, 9, 2], [9, 8, 1]], dtype=torch.int32),
+            "soft_probs": torch.tensor([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1], [0.7, 0.2, 0.1]], dtype=torch.float16)}
+    ids, q = _soft_examples(data, t2d)
+    # row 0 learns position 1's distribution: 7 (0.6) and 2 (0.1) inside, 9 outside -> renormalized
+    assert ids[0].tolist() == [2, 0, 0] and torch.allclose(q[0], torch.tensor([6 / 7, 0.0, 1 / 7]), atol=1e-3)
+    assert q[1].sum() == 0  # position 2's tokens all lie outside the draft vocabulary
+    assert q[2].sum() == 0  # the last row has no next position
+    # the soft loss is the hard one when the distribution is one token
+    torch.manual_seed(0)
+    model = make_tiny_llama(dtype=torch.float32)
+    head = load_head(random_head(model, tmp_path / "h", 1, 20), model)
+    n = 6
+    feats, nxt = torch.randn(1, n, 32), torch.randint(0, 20, (1, n))
+    lab, pos = torch.randint(0, 20, (1, n)), torch.arange(n)[None]
+    lab[0, -1] = IGNORE
+    hard, _ = unrolled_loss(head, feats, nxt, lab, pos, 2, 0.0, _masks(n, 2))
+    one = (lab.clamp_min(0)[..., None].expand(1, n, 3).contiguous(), torch.tensor([1.0, 0.0, 0.0]).expand(1, n, 3))
+    soft, _ = unrolled_loss(head, feats, nxt, lab, pos, 2, 0.0, _masks(n, 2), soft=one)
+    assert torch.allclose(hard, soft, atol=1e-5)

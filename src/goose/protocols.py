@@ -39,12 +39,15 @@ class Segment:
     """One sequence's part of a forward: `tokens` appended to `cache` as a causal run, or as a tree
     (``allowed [n, n]`` ancestor mask and ``depths [n]``); only the last `keep_last` rows' logits when given.
     `features`: the forward also sets `hidden` to every row's final hidden state ``[n, hidden]`` (after the
-    model's last norm: what its output head reads; a draft head's input), whatever `keep_last` is."""
+    model's last norm: what its output head reads; a draft head's input), whatever `keep_last` is. A tuple of
+    layer indices (`feature_taps`) asks for a fused draft head's input too: the residual stream after each of
+    those decoder layers, RMS-normalized without a weight, before the final state: ``[n, (len + 1) * hidden]``."""
 
     __slots__ = ("cache", "tokens", "depths", "allowed", "keep_last", "features", "hidden")
 
     def __init__(self, cache: KVCache, tokens: list[int], depths: torch.Tensor | None = None,
-                 allowed: torch.Tensor | None = None, keep_last: int | None = None, features: bool = False) -> None:
+                 allowed: torch.Tensor | None = None, keep_last: int | None = None,
+                 features: bool | tuple[int, ...] = False) -> None:
         self.cache, self.tokens, self.depths, self.allowed, self.keep_last = cache, tokens, depths, allowed, keep_last
         self.features = features
         self.hidden: torch.Tensor | None = None
@@ -121,3 +124,15 @@ class CostModel(Protocol):
     def observe(self, sequences: int, rows: int, context: float, seconds: float) -> None:
         """A decoding forward it priced took `seconds` (a curve that tracks the machine learns from it)."""
         ...
+
+
+def feature_taps(features: bool | tuple[int, ...]) -> tuple[int, ...]:
+    """The decoder layers a `Segment.features` value taps (none for True or False)."""
+    return tuple(features) if isinstance(features, tuple) else ()
+
+
+def tap_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """A tapped residual stream as a fused head reads it: RMS-normalized rows, no weight (float32)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+

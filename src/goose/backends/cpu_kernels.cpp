@@ -1339,9 +1339,9 @@ static void plan_layer(const PlanLayer& P, float* x, int64_t M, float* qkv, floa
   plan_linear(P.down, gu, M, x, nullptr, 0.0f, 1, 1);
 }
 
-void goose_layers(const PlanLayer* plan, int64_t layers, float* x, int64_t M, float* qkv, float* att, float* gu,
-                  int64_t H, int64_t Kh, int64_t D, int64_t nseg, const int64_t* desc, float scale) {
-  for (int64_t l = 0; l < layers; ++l) {
+void goose_layers(const PlanLayer* plan, int64_t first, int64_t last, float* x, int64_t M, float* qkv, float* att,
+                  float* gu, int64_t H, int64_t Kh, int64_t D, int64_t nseg, const int64_t* desc, float scale) {
+  for (int64_t l = first; l < last; ++l) {  // layers first .. last - 1 (a forward that taps the stream between)
     const std::vector<Segment> segs = batch_segments(Kh, D, nseg, desc, l);
     plan_layer(plan[l], x, M, qkv, att, gu, H, Kh, D, segs.data(), nseg, scale);
   }

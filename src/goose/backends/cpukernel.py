@@ -216,9 +216,9 @@ class CpuKernels:
                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]
         self._layers = lib.goose_layers
         self._layers.restype = None
-        self._layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
+        self._layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float]
         self._head_layer = lib.goose_head_layer
         self._head_layer.restype = None
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -545,7 +545,9 @@ class LayerPlan:
         self._fn, self._table, self._keep = fn, table, keep
         self.layers, self.hidden, self.qkv_width, self.intermediate = len(layers), hid, qkv_n, inter
 
-    def __call__(self, x: torch.Tensor, batch: "AttentionBatch") -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch: "AttentionBatch", taps: tuple[int, ...] = ()) -> list[torch.Tensor]:
+        """Runs the layers on `x` (in place); returns a copy of ``x`` after each layer of `taps` (0-based layer
+        indices, ascending: the residual stream a fused draft head reads), the layers between them in one call."""
         m = x.shape[0] if x.dim() == 2 else -1
         if (x.dim() != 2 or x.shape[1] != self.hidden or not x.is_contiguous() or x.dtype != torch.float32
                 or x.device.type != "cpu"):
@@ -558,9 +560,17 @@ class LayerPlan:
         if att.shape[1] != self._keep[0][3].k:
             raise ValueError("layer plan: the attention output does not match the output projection")
         gu = torch.empty(m, 2 * self.intermediate, dtype=torch.float32)
-        self._fn(ctypes.addressof(self._table), self.layers, x.data_ptr(), m, qkv.data_ptr(), att.data_ptr(),
-                 gu.data_ptr(), h, kh, d, len(batch._steps), batch._desc.data_ptr(), batch._scale)
-        return x
+        if list(taps) != sorted(set(taps)) or any(not 0 <= t < self.layers for t in taps):
+            raise ValueError(f"layer plan: taps must be ascending layer indices below {self.layers}, got {taps}")
+        out, first = [], 0
+        for last in [t + 1 for t in taps] + [self.layers]:
+            if last > first:
+                self._fn(ctypes.addressof(self._table), first, last, x.data_ptr(), m, qkv.data_ptr(), att.data_ptr(),
+                         gu.data_ptr(), h, kh, d, len(batch._steps), batch._desc.data_ptr(), batch._scale)
+            first = last
+            if len(out) < len(taps):
+                out.append(x.clone())
+        return out
 
 
 class HeadLayer:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..errors import GooseError
 from ..progress import note
-from ..protocols import Forward, KVCache, Segment
+from ..protocols import Forward, KVCache, Segment, feature_taps, tap_norm
 from .fixed_kernels import fixed_kernels
 from .forward import weights_fingerprint
 from .packed import PackedWeight
@@ -441,6 +441,9 @@ class GPUForward(Forward):
             raise GooseError("no tokens to forward")
         if min(s.tokens) < 0 or max(s.tokens) >= self.vocab:  # (on a GPU a bad index would stop the device)
             raise GooseError(f"token ids must lie in 0..{self.vocab - 1}")
+        taps = feature_taps(s.features)
+        if taps and not 0 <= min(taps) <= max(taps) < len(self.layers):
+            raise GooseError(f"feature taps {list(taps)} outside the model's {len(self.layers)} decoder layers")
         p = c.length
         if p + n > self.capacity:
             raise GooseError(f"the sequence needs {p + n} cache entries; this GPUForward holds {self.capacity} per "
@@ -452,7 +455,8 @@ class GPUForward(Forward):
             depths, allowed = s.depths.to("cpu", torch.long), s.allowed.to("cpu", torch.bool)
             anc = ancestor_table(allowed, depths) if self.fixed is not None else torch.zeros(n, n, dtype=torch.long)
         base = c.slot * self.capacity
-        b = self.runner.bucket(n, p, self.capacity) if self.runner is not None else None
+        # (a fused head's taps run eagerly: the graphs return the final state only)
+        b = self.runner.bucket(n, p, self.capacity) if self.runner is not None and not taps else None
         if b is not None:
             logits, hidden = self.runner.run(b, base, p, list(s.tokens), depths, allowed, anc)
             rows = slice(n - s.keep_last, n) if s.keep_last else slice(0, n)
@@ -464,9 +468,12 @@ class GPUForward(Forward):
             ints = torch.tensor([base, p] + list(s.tokens), dtype=torch.long).to(dev)
             meta, ids = ints[:2], ints[2:]
             keep = s.keep_last if s.keep_last else None
-            out, hidden = self._compute(ids, depths.to(dev), allowed.to(dev), anc.to(dev), meta, (base, p), keep)
+            tapped = []
+            out, hidden = self._compute(ids, depths.to(dev), allowed.to(dev), anc.to(dev), meta, (base, p), keep,
+                                        taps, tapped)
             if s.features:
-                s.hidden = hidden
+                s.hidden = hidden if not taps else torch.cat([tap_norm(t).to(hidden.dtype) for t in tapped] + [hidden],
+                                                             -1)
         c.appended(p, n)
         return out
 
@@ -481,9 +488,11 @@ class GPUForward(Forward):
         """A bucket's whole call from its static buffers (what the graph captures): logits and hidden of all rows."""
         return self._compute(st.ids, st.depths, st.allowed, st.anc, st.meta, None, None)
 
-    def _compute(self, ids, depths, allowed, anc, meta, host: tuple[int, int] | None, keep_last: int | None):
+    def _compute(self, ids, depths, allowed, anc, meta, host: tuple[int, int] | None, keep_last: int | None,
+                 taps: tuple[int, ...] = (), tapped: list | None = None):
         """The call's logits and final hidden rows. `host`: (first slot row, P) known on the host (an eager call:
-        attention reads only the filled entries), or None (a graph: attention reads the whole slot, masked)."""
+        attention reads only the filled entries), or None (a graph: attention reads the whole slot, masked).
+        `taps`: the residual stream after those layers is appended to `tapped`."""
         B = ids.shape[0]
         C, K, D = self.capacity, self.n_kv, self.head_dim
         x = self.embed.index_select(0, ids)  # [B, hid]
@@ -519,6 +528,8 @@ class GPUForward(Forward):
             h = self._rms(x, L.ln2, L.eps2)
             gu = self._linear(h, L.gu, L.gu_b)
             x = x + self._linear(self._act(gu), L.down, L.down_b)
+            if li in taps:
+                tapped.append(x)
         hidden = self._rms(x, self.norm, self.norm_eps)
         rows = hidden if keep_last is None else hidden[B - keep_last :]
         if self.fixed is not None:

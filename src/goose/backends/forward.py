@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import GooseError
-from ..protocols import Forward, KVCache
+from ..protocols import Forward, KVCache, feature_taps, tap_norm
 from .kv_cache import cache_length, keep_path
 from .packed import PackedWeight
 from .tree_tensors import additive_mask
@@ -212,13 +212,25 @@ class HFForward(Forward):
         if not isinstance(norm, torch.nn.Module):
             raise GooseError(f"{type(self.model).__name__} has no model.norm: its final hidden states (a draft "
                              "head's input) cannot be read")
-        caught = []
-        hook = norm.register_forward_hook(lambda mod, args, out: caught.append(out))
+        taps = feature_taps(s.features)
+        layers = getattr(self.model.model, "layers", ())
+        if taps and not 0 <= min(taps) <= max(taps) < len(layers):
+            raise GooseError(f"feature taps {list(taps)} outside the model's {len(layers)} decoder layers")
+        caught, tapped = [], {}
+
+        def tap(i):
+            return lambda mod, args, out: tapped.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+
+        hooks = [norm.register_forward_hook(lambda mod, args, out: caught.append(out))]
+        hooks += [layers[t].register_forward_hook(tap(t)) for t in taps]
         try:
             logits = self._one(s.cache, s.tokens, s.depths, s.allowed, s.keep_last)
         finally:
-            hook.remove()
-        s.hidden = caught[-1][0]
+            for h in hooks:
+                h.remove()
+        final = caught[-1][0]
+        s.hidden = final if not taps else torch.cat([tap_norm(tapped[t][0]).to(final.dtype) for t in taps] + [final],
+                                                    -1)
         return logits
 
     def _one(self, cache: "HFCache", tokens, depths, allowed, keep_last) -> torch.Tensor:

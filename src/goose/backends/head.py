@@ -9,7 +9,11 @@ reads, `Segment.features`) and the embedding of the token after it, ``x_{j+1}``:
     out = x + down(silu(gate(rms(x, ln2))) * up(...))      ~ f_{j+1}: fed back as the next depth's feature
     logits = lm_head(rms(out, norm))                      [draft_vocab] -> target ids by `d2t`
 
-so `out` predicts the target's next features and `logits` the token after ``x_{j+1}``. The draft vocabulary
+so `out` predicts the target's next features and `logits` the token after ``x_{j+1}``. A fused head
+(``feature_layers``, the feature fusion of EAGLE-3, Li et al., 2025) also reads the target's residual stream after
+those decoder layers (RMS-normalized, `goose.protocols.tap_norm`): its depth-1 rows take ``f_j = fuse([tap_1, ...,
+tap_n, final])`` (fuse: ``[hidden, (n + 1) * hidden]``), deeper rows the feature the head predicted, as before.
+The draft vocabulary
 is the `draft_vocab_size` most frequent target tokens (`d2t[i]`: the target id of draft id i, stored as
 the offset ``target - i`` as EAGLE-3 checkpoints store it); the full vocabulary when the checkpoint has no
 `lm_head` (EAGLE-1/2 checkpoints use the target's own output head; theirs has no `ln1`/`norm` either).
@@ -18,8 +22,9 @@ Files: a folder with ``config.json`` (a Llama config with ``num_hidden_layers`` 
 ``goose.target``: what the head was trained for) and ``model.safetensors`` (``fc.weight``,
 ``layers.0.self_attn.{q,k,v,o}_proj.weight``, ``layers.0.mlp.{gate,up,down}_proj.weight``,
 ``layers.0.{input,post_attention}_layernorm.weight``, ``norm.weight``, ``lm_head.weight``, ``d2t``), as
-SpecForge and vLLM's speculators write EAGLE heads. `load_head` checks a head against the target model and
-names the file and the mismatch when it does not fit.
+SpecForge and vLLM's speculators write EAGLE heads; a fused head adds ``fuse.weight`` and ``goose.feature_layers``
+(goose's own layout: an EAGLE-3 checkpoint's ``midlayer`` reads its features differently and is refused).
+`load_head` checks a head against the target model and names the file and the mismatch when it does not fit.
 
 The head only shapes drafts: every token a method commits is the target's own, so nothing here can change an
 output, whatever the head's weights or arithmetic.
@@ -54,14 +59,20 @@ class HeadConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     target: dict = field(default_factory=dict)  # what it was trained for: model_type, layers, embed digest, ...
+    feature_layers: tuple[int, ...] = ()  # decoder layers whose residual stream the head also reads (fused)
 
     @classmethod
-    def for_target(cls, model, draft_vocab_size: int) -> "HeadConfig":
+    def for_target(cls, model, draft_vocab_size: int, feature_layers: tuple[int, ...] = ()) -> "HeadConfig":
         c = model.config
         return cls(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
                    getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, c.intermediate_size,
                    model.get_output_embeddings().weight.shape[0], draft_vocab_size, float(c.rms_norm_eps),
-                   float(getattr(c, "rope_theta", 10000.0)), target_identity(model))
+                   float(getattr(c, "rope_theta", 10000.0)), target_identity(model), tuple(feature_layers))
+
+    @property
+    def features(self) -> bool | tuple[int, ...]:
+        """What the head asks the target's forward for (`Segment.features`)."""
+        return tuple(self.feature_layers) or True
 
 
 def target_identity(model) -> dict:
@@ -105,6 +116,10 @@ class DraftHead(nn.Module):
         h, hd, H, K, inter = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
             cfg.intermediate_size
         self.fc = nn.Linear(2 * h, h, bias=False)
+        # a fused head: the tapped layers' streams and the final state -> one feature (depth 1 only: deeper rows
+        # read the feature the head predicted)
+        nf = len(cfg.feature_layers)
+        self.fuse = nn.Linear((nf + 1) * h, h, bias=False) if nf else None
         self.q_proj, self.k_proj = nn.Linear(h, H * hd, bias=False), nn.Linear(h, K * hd, bias=False)
         self.v_proj, self.o_proj = nn.Linear(h, K * hd, bias=False), nn.Linear(H * hd, h, bias=False)
         self.gate_proj, self.up_proj = nn.Linear(h, inter, bias=False), nn.Linear(h, inter, bias=False)
@@ -133,6 +148,8 @@ class DraftHead(nn.Module):
         `at` rows (P = at). `mask`: ``[n, P + n]`` bool (True: may attend), default causal over past + rows."""
         c = self.cfg
         B, n = tokens.shape
+        if feats.shape[-1] != c.hidden_size:  # the target's fused features (a depth-1 row)
+            feats = self.fuse(feats)
         x = self.fc(torch.cat([self.embed[tokens].to(feats.dtype), feats], dim=-1))
         a = F.rms_norm(x, (c.hidden_size,), self.ln1.to(x.dtype), c.rms_norm_eps) if self.ln1 is not None else x
         q = self.q_proj(a).view(B, n, c.num_attention_heads, c.head_dim).transpose(1, 2)
@@ -167,7 +184,7 @@ class DraftHead(nn.Module):
     # ---- files -----------------------------------------------------------------------------------------
     def named(self) -> list[tuple[str, torch.Tensor]]:
         """The weights under the EAGLE checkpoint names (see the module docstring), those this head has."""
-        out = [("fc.weight", self.fc.weight)]
+        out = [("fc.weight", self.fc.weight)] + ([("fuse.weight", self.fuse.weight)] if self.fuse is not None else [])
         out += [(f"layers.0.self_attn.{n}.weight", getattr(self, n).weight) for n in ("q_proj", "k_proj", "v_proj",
                                                                                     "o_proj")]
         out += [(f"layers.0.mlp.{n}.weight", getattr(self, n).weight) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -236,6 +253,11 @@ class FastHead:
         layer = (norm(head.ln1), eps, norm(head.ln2), eps, qkv, op(head.o_proj.weight)[0], gate_up,
                  op(head.down_proj.weight)[0])
         self._step = ck.head_layer(fc, layer, c.num_attention_heads)
+        self._first = None  # a fused head's depth-1 rows: fuse folded into fc's feature half, one projection
+        if head.fuse is not None:
+            w, h = head.fc.weight.detach().float(), c.hidden_size
+            folded = torch.cat([w[:, :h], w[:, h:] @ head.fuse.weight.detach().float()], 1)
+            self._first = ck.head_layer(op(folded, head.fc.bias)[0], layer, c.num_attention_heads)
         _, self.lm = op(head.lm_head.weight if head.lm_head is not None else head.embed_out)
         self.norm = None if head.norm is None else (norm(head.norm), eps)
         self._cos = self._sin = torch.empty(0, c.head_dim)
@@ -259,7 +281,10 @@ class FastHead:
         inp = torch.cat([emb, feats if feats.dtype == torch.float32 else feats.float()], dim=-1)
         cache.reserve(at, at + len(tokens), c.num_key_value_heads, c.head_dim, torch.float32)
         cos, sin = self._rope(positions)
-        return self._step(inp, cos, sin, cache.k[0], cache.v[0], at, allowed, back)
+        step = self._step if feats.shape[-1] == c.hidden_size else self._first
+        if step is None:
+            raise GooseError(f"the head reads features of {c.hidden_size}, not {feats.shape[-1]}")
+        return step(inp, cos, sin, cache.k[0], cache.v[0], at, allowed, back)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm(out, norm=self.norm) if self.norm is not None else self.lm(out)
@@ -298,12 +323,13 @@ def save_head(head: DraftHead, folder: Path, extra: dict | None = None, dtype=to
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     c = head.cfg
+    fused = {"feature_layers": list(c.feature_layers)} if c.feature_layers else {}
     config = {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "num_hidden_layers": 1,
               "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
               "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
               "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size,
               "draft_vocab_size": c.draft_vocab_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-              "hidden_act": "silu", "goose": {"format": FORMAT, "target": c.target, **(extra or {})}}
+              "hidden_act": "silu", "goose": {"format": FORMAT, "target": c.target, **fused, **(extra or {})}}
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in head.state().items()}
     tmp = folder / (WEIGHTS + ".tmp")
     save_file(tensors, str(tmp))
@@ -357,6 +383,11 @@ def load_head(folder: str | Path, model, dtype=torch.float32) -> DraftHead:
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise bad(f"{raw.get('num_hidden_layers')} decoder layers; an EAGLE head has one")
     target = (raw.get("goose") or {}).get("target")
+    taps = (raw.get("goose") or {}).get("feature_layers") or []
+    if (not isinstance(taps, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in taps)
+            or taps != sorted(set(taps)) or (taps and not 0 <= taps[0] <= taps[-1] < c.num_hidden_layers - 1)):
+        raise bad(f"feature_layers {taps!r}: ascending indices of the model's decoder layers before its last "
+                  f"({c.num_hidden_layers - 1})")
     if target:
         diff = target_mismatch(target, target_identity(model))
         if diff:
@@ -365,7 +396,8 @@ def load_head(folder: str | Path, model, dtype=torch.float32) -> DraftHead:
         cfg = HeadConfig(hidden, int(raw["num_attention_heads"]), int(raw.get("num_key_value_heads",
                          raw["num_attention_heads"])), int(raw.get("head_dim") or hidden // raw["num_attention_heads"]),
                          int(raw["intermediate_size"]), vocab, int(raw.get("draft_vocab_size") or vocab),
-                         float(raw.get("rms_norm_eps", 1e-5)), float(raw.get("rope_theta", 10000.0)), target or {})
+                         float(raw.get("rms_norm_eps", 1e-5)), float(raw.get("rope_theta", 10000.0)), target or {},
+                         tuple(taps))
     except (KeyError, TypeError, ValueError) as exc:
         raise GooseError(f"draft head: {cpath} lacks or garbles {exc}") from None
     own = "lm_head.weight" in w

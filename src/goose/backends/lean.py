@@ -58,7 +58,7 @@ from torch import nn
 
 from ..errors import GooseError
 from ..names import ARITHS  # LeanForward's arithmetics (see its `arith`)
-from ..protocols import Forward, KVCache, Segment
+from ..protocols import Forward, KVCache, Segment, feature_taps, tap_norm
 from . import cpukernel, int8
 from .cpukernel import CpuKernels
 from .forward import active_sliding_window, weights_fingerprint
@@ -474,10 +474,13 @@ class LeanForward(Forward):
         else:
             attends = [self._torch_attention(s, cos, sin, p) for s, (_, _, p), (cos, sin) in zip(segments, spans, rope)]
         one = len(segments) == 1
-        if self.plan is not None:  # all layers in one kernel call
-            self.plan(x, self.attn_kernel.attention_batch(attends))
+        taps = sorted({t for s in segments for t in feature_taps(s.features)})  # layers a fused head reads
+        if taps and not 0 <= taps[0] <= taps[-1] < len(self.layers):
+            raise GooseError(f"feature taps {taps} outside the model's {len(self.layers)} decoder layers")
+        if self.plan is not None:  # all layers in one kernel call (one per stretch between taps)
+            tapped = self.plan(x, self.attn_kernel.attention_batch(attends), tuple(taps))
         else:
-            self._layer_by_layer(x, attends, spans)
+            tapped = self._layer_by_layer(x, attends, spans, taps)
         rows = []  # hidden rows whose logits are wanted
         feats = None  # every row's final hidden state, when a segment wants its own (one norm call for all)
         for s, (a, b, p) in zip(segments, spans):
@@ -486,7 +489,9 @@ class LeanForward(Forward):
             if s.features:  # (the norm is fused into the output head's kernel: computed here for these rows)
                 if feats is None:
                     feats = _rms(x, self.norm, self.norm_eps)
-                s.hidden = feats[a:b]
+                mine = feature_taps(s.features)
+                s.hidden = feats[a:b] if not mine else torch.cat(
+                    [tap_norm(tapped[taps.index(t)][a:b]).to(feats.dtype) for t in mine] + [feats[a:b]], -1)
         if one:
             h = x[rows[0][0] : rows[0][1]]
         else:
@@ -515,9 +520,12 @@ class LeanForward(Forward):
         cos, sin = _rotary_rows(self.rotary, self.dtype, self.device, pos)
         return [(cos[a:b], sin[a:b]) for a, b, _ in spans]
 
-    def _layer_by_layer(self, x: torch.Tensor, attends: list, spans: list[tuple[int, int, int]]) -> None:
+    def _layer_by_layer(self, x: torch.Tensor, attends: list, spans: list[tuple[int, int, int]],
+                        taps: list[int] = ()) -> list[torch.Tensor]:
         """The decoder layers on the residual stream ``x [N, hid]`` (in place), one call per projection and
-        attention (where `plan` cannot run them: qwen3's q/k norms, PyTorch's kernels)."""
+        attention (where `plan` cannot run them: qwen3's q/k norms, PyTorch's kernels); a copy of ``x`` after
+        each layer of `taps`."""
+        tapped = []
         H, K, D = self.n_heads, self.n_kv, self.head_dim
         one = len(attends) == 1
         batch = None if one or self.attn_kernel is None else self.attn_kernel.attention_batch(attends)
@@ -535,6 +543,9 @@ class LeanForward(Forward):
             else:
                 a = torch.cat([att(li, qkv[r0:r1]) for att, (r0, r1, _) in zip(attends, spans)])  # [N, H*D]
             self._mlp(L, a, x)
+            if li in taps:
+                tapped.append(x.clone())
+        return tapped
 
     def _torch_attention(self, seg: Segment, cos: torch.Tensor, sin: torch.Tensor, p: int):
         """PyTorch's attention for one segment: a function (layer, qkv [n, (H + 2K) D]) -> [n, H D]."""

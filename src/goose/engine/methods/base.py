@@ -16,7 +16,9 @@ class Method:
     prefill_harvest: int | None = 0  # prompt positions (the last k) whose logits `harvest` reads; None: all
     cost: CostCurve | None = None  # the device's cost curve, for a method that sizes its trees by it
     offers_candidates = False  # True: the step loop asks `candidates` and selects the subtree itself
-    features = False  # True: the step loop hands over the target's final hidden states (`take_features`)
+    # True: the step loop hands over the target's final hidden states (`take_features`); a tuple of layer indices:
+    # with those layers' streams before them (a fused head's input, `goose.protocols.Segment`)
+    features: bool | tuple[int, ...] = False
     # earlier requests' prompts and outputs, set by the request's owner (Decoder, Engine per tenant); read
     # by the methods that draft from it (`goose`), None: no memory
     memory: SuffixMemory | None = None
@@ -45,7 +47,8 @@ class Method:
         """Logits ``[n, vocab]`` at positions holding `tokens`, whose predecessors are `prevs`."""
 
     def take_features(self, hidden) -> None:
-        """(Only when `features`.) The target's final hidden states ``[n, hidden]`` of the next n positions whose
+        """(Only when `features`.) The target's final hidden states ``[n, hidden]`` (or a fused head's features,
+        ``[n, (taps + 1) * hidden]``) of the next n positions whose
         keys and values entered the cache: each prompt chunk's, then each step's root and accepted nodes."""
 
     def observe(self, tree: DraftTree, walk: WalkResult) -> None:

@@ -52,7 +52,8 @@ class HeadState:
         self.tokens: list[int] = []  # committed tokens (prompt + generated)
 
     def take_features(self, hidden: torch.Tensor) -> None:
-        """The target's final hidden states of the next positions entering its cache (`Method.take_features`)."""
+        """The target's features of the next positions entering its cache (`Method.take_features`): final
+        hidden states, a fused head's with the tapped layers' streams before them."""
         self.feats.append(hidden.detach().float())
 
     def commit(self, tokens: list[int]) -> None:
@@ -214,6 +215,7 @@ class Eagle2(Method):
 
     def prepare(self, model, forward, tokenizer=None) -> None:
         self.drafter = HeadDrafter(find_head(model, self.cfg, required=True), self.cfg)
+        self.features = self.drafter.head.cfg.features  # (a fused head also reads some layers' streams)
         if self.cost is None:
             self.cost = load_or_measure(model, forward)
 

@@ -140,7 +140,7 @@ class DeviceAwareGoose(GoosePaper):
         head = find_head(model, self.cfg.eagle, required=False)
         if head is not None:
             self.drafter = HeadDrafter(head, self.cfg.eagle)
-            self.features = True
+            self.features = head.cfg.features
 
     def start(self) -> None:
         super().start()
