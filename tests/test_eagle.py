@@ -498,8 +498,8 @@ def test_train_head_refuses_a_checkpoint_of_another_training(worded, tmp_path):
     assert train_head(model, tok, fwd, tmp_path / "b", tmp_path / "w", _tiny_cfg(draft_vocab=32))["draft_vocab"] == 32
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path, fused):
+@pytest.mark.parametrize("fused,fmt", [(False, "Q8_0"), (True, "Q8_0"), (False, "Q4_0")])
+def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path, fused, fmt):
     """goose's kernels (Q8_0 blocks or float32 panels) give the head's own forward up to their rounding (a fused
     head's depth-1 rows through its fuse folded into fc, deeper rows as an unfused head's)."""
     import goose.backends.cpukernel as ck
@@ -512,11 +512,11 @@ def test_fast_head_drafts_what_the_head_drafts(tiny_model, tmp_path, fused):
     with torch.no_grad():
         for p in head.parameters():
             p.mul_(0.3)
-    fast = FastHead(head)
+    fast = FastHead(head, fmt)
     toks = torch.tensor([5, 9, 11, 3])
     feats = torch.randn(4, 64 if fused else 32)
     pos = torch.arange(4)
-    tol = 0.1 if fast.kind.startswith("q8") else 1e-4
+    tol = {"q8": 0.1, "q4": 0.3}.get(fast.kind[:2], 1e-4)
     mine, theirs = HeadCache(), HeadCache()
     with torch.no_grad():
         ref = head.logits(head.layer(toks[None], feats[None], pos[None], cache=theirs, at=0)[0])[0]
@@ -560,19 +560,32 @@ def _run_arms(pay, steps: int, with_head: tuple[float, int], without: tuple[floa
 def test_goose_drafts_with_the_head_only_while_its_steps_commit_more_tokens_per_ms():
     from goose.engine.methods.goose import _HeadPay
 
-    # the head adds 2 ms to a 5 ms step for no more tokens: it rests, and is tried one step in four
-    slow = _run_arms(_HeadPay(EagleConfig(pay_rate=0.5, probe_every=4)), 40, (7.0, 1), (5.0, 1))
+    def gaps(chosen, arm):  # steps between the tries of `arm` after the first three (the warm-up)
+        at = [i for i, x in enumerate(chosen) if x == arm and i >= 3]
+        return [b - a for a, b in zip(at, at[1:])]
+
+    # the head adds 2 ms to a 5 ms step for no more tokens: it rests, and is tried one step in four at first, then,
+    # each probe losing again, half as often
+    slow = _run_arms(_HeadPay(EagleConfig(pay_rate=0.5, probe_every=4)), 60, (7.0, 1), (5.0, 1))
     assert slow[:3] == [True, True, False]  # the head's first step (unmeasured), then each arm measured once
-    assert sum(slow[10:]) in (7, 8) and not all(slow[10:])
-    # two tokens a step for 7 ms beat one for 5 ms: the head drafts, and the plain arm is probed one step in four
-    fast = _run_arms(_HeadPay(EagleConfig(pay_rate=0.5, probe_every=4)), 40, (7.0, 2), (5.0, 1))
+    assert gaps(slow, True) == [8, 16] and sum(slow[3:]) == 3
+    # two tokens a step for 7 ms beat one for 5 ms: the head drafts, and the plain arm is probed as rarely
+    fast = _run_arms(_HeadPay(EagleConfig(pay_rate=0.5, probe_every=4)), 60, (7.0, 2), (5.0, 1))
     assert fast[:3] == [True, True, False]
-    assert len(fast[10:]) - sum(fast[10:]) in (7, 8)
+    assert gaps(fast, False) == [8, 16]
     # the text changes: the head stops paying, and the probes see it
     pay = _HeadPay(EagleConfig(pay_rate=0.5, probe_every=4))
     _run_arms(pay, 20, (7.0, 2), (5.0, 1))
     late = _run_arms(pay, 40, (7.0, 1), (5.0, 1))
-    assert sum(late[20:]) <= 6
+    assert sum(late[20:]) <= 2
+    # and back: after the probes have backed off to one in 64 steps, the first probe that wins sets them back,
+    # and the head drafts again
+    assert pay.rates.interval == 4 * 16 or sum(_run_arms(pay, 200, (7.0, 1), (5.0, 1))) < 8
+    assert pay.rates.interval == 4 * 16
+    back = _run_arms(pay, 80, (7.0, 3), (5.0, 1))
+    won = back.index(True)
+    assert won <= 64 and sum(back[won : won + 8]) >= 6  # the head drafts again, the plain arm probed one in four
+    assert sum(back[-10:]) >= 9  # (the plain arm, resting now, probed as it loses: less and less)
     always = _HeadPay(EagleConfig(probe_every=0))
     assert all(_run_arms(always, 10, (70.0, 0), (1.0, 5)))
     # the rates are the method's, across requests: a new request starts from what the earlier ones measured
@@ -582,8 +595,8 @@ def test_goose_drafts_with_the_head_only_while_its_steps_commit_more_tokens_per_
     assert second == [True, False, False, False]  # its first step (unmeasured), then the faster arm at once
     # in a batch of 4 the head's 2 ms hold up 3 other requests: 2 tokens for 7 + 6 ms lose to 1 for 5 ms, though
     # the request's own clock (7 ms) says they win
-    batched = _run_arms(_HeadPay(EagleConfig(pay_rate=0.5, probe_every=4)), 40, (7.0, 2), (5.0, 1), charged=6.0)
-    assert sum(batched[10:]) in (7, 8) and not all(batched[10:])
+    batched = _run_arms(_HeadPay(EagleConfig(pay_rate=0.5, probe_every=4)), 60, (7.0, 2), (5.0, 1), charged=6.0)
+    assert gaps(batched, True) == [8, 16]
 
 
 def test_goose_learns_whether_its_head_pays_across_requests(tiny_model, tmp_path):
@@ -679,3 +692,27 @@ def test_soft_labels_are_the_next_rows_distribution_over_the_draft_vocabulary(tm
     one = (lab.clamp_min(0)[..., None].expand(1, n, 3).contiguous(), torch.tensor([1.0, 0.0, 0.0]).expand(1, n, 3))
     soft, _ = unrolled_loss(head, feats, nxt, lab, pos, 2, 0.0, _masks(n, 2), soft=one)
     assert torch.allclose(hard, soft, atol=1e-5)
+
+
+def test_q4_0_rows_are_gguf_blocks_of_the_weights():
+    import numpy as np
+
+    from goose.backends.head import q4_0_rows
+
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(5, 64, generator=gen)
+    w[1, :32] = 0.0  # an all-zero block: scale 0, every weight 0
+    w[2, 40] = -9.0  # a block whose largest weight is negative: it maps to q = 0
+    rows = q4_0_rows(w)
+    assert all(r.dtype == np.uint8 and r.shape == (2 * 18,) for r in rows)
+    for i, r in enumerate(rows):
+        for b in range(2):
+            blk = r[18 * b : 18 * (b + 1)]
+            d = float(blk[:2].view(np.float16)[0])
+            q = np.concatenate([blk[2:] & 0xF, blk[2:] >> 4]).astype(np.float32)
+            back = (q - 8) * d
+            ref = w[i, 32 * b : 32 * (b + 1)].numpy()
+            err = np.abs(back - ref)  # half a step, a whole one where 8 d clamps to 7 d (GGUF's own rounding)
+            assert np.all(err <= abs(d) * 1.01 + 1e-6) and np.mean(err <= abs(d) / 2 + 1e-2 * abs(d)) >= 0.9, (i, b)
+    assert float(rows[1][:2].view(np.float16)[0]) == 0.0
+    assert (rows[2][18 + 2 + 8] & 0xF) == 0 and abs(float(rows[2][18:20].view(np.float16)[0]) - 9 / 8) < 1e-3

@@ -606,9 +606,9 @@ def register(sub) -> None:
     t.add_argument("--feature-layers", default="none", metavar="none|auto|I,J",
                    help="a fused head (EAGLE-3's feature fusion) also reads the residual stream after these decoder "
                         "layers (auto: 1 and layers/2 - 1; default none: the final hidden state only)")
-    t.add_argument("--soft-labels", action="store_true",
-                   help=f"learn the model's distribution over its {SOFT_TOP} most likely next tokens (EAGLE's "
-                        "distillation) instead of its top-1 alone")
+    t.add_argument("--labels", choices=("hard", "soft"), default="soft" if d.soft else "hard",
+                   help=f"what the head learns: the model's next token (hard) or its distribution over its {SOFT_TOP} "
+                        f"most likely next tokens (soft, EAGLE's distillation); default {'soft' if d.soft else 'hard'}")
     t.add_argument("--memory-gb", type=float, default=d.memory_gb,
                    help=f"the most the collected features may take in memory, bounded before collecting (default "
                         f"{d.memory_gb})")
@@ -635,7 +635,7 @@ def cmd_train_head(args) -> int:
                       max_tokens=args.max_tokens, draft_vocab=args.draft_vocab, window=args.window,
                       batch=args.batch, epochs=args.epochs, lr=args.lr, unroll=args.unroll, seed=args.seed,
                       regenerate=args.regenerate, precision=args.precision, memory_gb=args.memory_gb,
-                      soft=args.soft_labels)
+                      soft=args.labels == "soft")
     model, tok = load_model(args.model, args.dtype, args.device, weights=args.weights, arith=cli_arith(args))
     cfg = replace(cfg, feature_layers=feature_layers_for(args.feature_layers, model.config.num_hidden_layers))
     out = Path(args.out)

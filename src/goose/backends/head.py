@@ -215,15 +215,33 @@ def q8_0_rows(w: torch.Tensor):
     return [np.ascontiguousarray(r) for r in rows]
 
 
+def q4_0_rows(w: torch.Tensor):
+    """``w [n, k]`` (k a multiple of 32) as GGUF Q4_0 rows: per 32 weights a float16 scale ``d`` (the weight of
+    largest magnitude over -8) and 32 4-bit values ``q`` (weight = (q - 8) d; the first 16 in the low nibbles, the
+    last 16 in the high ones), rounded as GGUF's reference quantizer rounds."""
+    import numpy as np
+
+    n, k = w.shape
+    b = w.detach().float().reshape(n, k // 32, 32).numpy()
+    at = np.abs(b).argmax(axis=2)
+    big = np.take_along_axis(b, at[..., None], axis=2)[..., 0]
+    d = (big / -8.0).astype(np.float32)
+    inv = np.where(d != 0, 1.0 / np.where(d != 0, d, 1.0), 0.0).astype(np.float32)
+    q = np.minimum(15, np.trunc(b * inv[..., None] + 8.5)).astype(np.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    rows = np.concatenate([d.astype(np.float16).view(np.uint8).reshape(n, k // 32, 2), packed], axis=2).reshape(n, -1)
+    return [np.ascontiguousarray(r) for r in rows]
+
+
 class FastHead:
     """The head's forward for drafting on goose's CPU kernels: its input projection and decoder layer in one kernel
     call per step (`CpuKernels.head_layer`: each projection reads its weight once, with the RMSNorms, silu(gate) * up
     and the residual adds fused in, attention on the head's cache as the target's), the logits in one more. The
-    weights are held as Q8_0 blocks times 8-bit activations (`goose.backends.int8`: a quarter of float32's bytes)
-    where those kernels run, else as goose's float32 panels. Only drafts depend on the head, so its arithmetic is
-    free."""
+    weights are held as GGUF blocks of `fmt` (Q8_0: a quarter of float32's bytes, Q4_0: an eighth) times 8-bit
+    activations (`goose.backends.int8`) where those kernels run, else as goose's float32 panels. Only drafts depend
+    on the head, so its arithmetic is free."""
 
-    def __init__(self, head: "DraftHead") -> None:
+    def __init__(self, head: "DraftHead", fmt: str = "Q8_0") -> None:
         from . import cpukernel, int8, quant
         from .packed import PanelWeight
 
@@ -239,12 +257,12 @@ class FastHead:
             w = w.detach().float().contiguous()
             b = None if bias is None else ck.pack_bias(bias.detach().float(), w.shape[0])
             if blocks:
-                qw = qk.pack("Q8_0", q8_0_rows(w), w.shape[1])
+                qw = qk.pack(fmt, (q8_0_rows if fmt == "Q8_0" else q4_0_rows)(w), w.shape[1])
                 return ik.op(qw, qw.n, b), lambda x, **f: ik.linear(x, qw, qw.n, b, **f)
             pw = PanelWeight.pack(ck, w)
             return ck.op(pw.data, pw.n, b), lambda x, **f: pw.linear(x, b, **f)
 
-        self.kind = "q8_0-int8" if blocks else "float32"
+        self.kind = f"{fmt.lower()}-int8" if blocks else "float32"
         eps = float(c.rms_norm_eps)
         norm = lambda w: None if w is None else w.detach().float().contiguous()  # noqa: E731
         fc, _ = op(head.fc.weight, head.fc.bias)

@@ -95,7 +95,8 @@ class HeadDrafter:
         self.head, self.cfg = head, cfg
         self.depth_ms = 0.0  # one further depth's drafting (the head's layer and logits), ms: a moving average
         try:  # goose's kernels where they run (float32 CPU), else the head's PyTorch forward
-            self.fast = FastHead(head) if head.fc.weight.device.type == "cpu" else None
+            self.fast = FastHead(head, "Q4_0" if cfg.head_bits == 4 else "Q8_0") \
+                if head.fc.weight.device.type == "cpu" else None
         except GooseError:
             self.fast = None
 

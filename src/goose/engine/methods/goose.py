@@ -25,6 +25,7 @@ from .eagle2 import HeadDrafter, HeadState, find_head, merge
 from .goose_paper import GoosePaper
 
 HEAD_MS_RATE = 0.25  # weight of each step's drafting time in the head's moving average (`_head_may_pay`)
+PROBE_BACKOFF = 16  # a probe of the resting arm that loses doubles the steps to the next, up to probe_every x this
 
 
 def load_budget(min_prob: float, spine: int = 0, cfg: DeviceAwareConfig = DeviceAwareConfig()) -> int | None:
@@ -45,6 +46,7 @@ class PayRates:
     def __init__(self) -> None:
         self.rate = {True: 0.0, False: 0.0}  # tokens per ms, with / without the head
         self.seen = {True: 0, False: 0}  # steps measured per arm
+        self.interval = 0  # each request's steps between probes of the resting arm (0: `EagleConfig.probe_every`)
 
 
 class _HeadPay:
@@ -52,12 +54,14 @@ class _HeadPay:
     step (from the method's `candidates` to its `observe`: drafting, the forward and the walk), averaged apart over
     the steps drafted with the head and those without (`PayRates`: the first samples' mean, then a moving average
     of weight `EagleConfig.pay_rate`). The faster arm drafts; the other is tried one step in `probe_every` of each
-    request, so both averages follow the text. A new request drafts with the head first (that step, which runs
-    the prompt's positions through the head, is not measured); until both arms are measured, each request's steps
-    alternate between them. A head that rests skips the positions of its resting steps (`HeadState.skip`), so a
-    probe costs what a step of a drafting head costs. In a batch the step's clock is shared: a request's drafting
-    holds up every other request of the step, so its step is also charged its drafting time once per other request
-    (`charge`), and the head pays only where it pays the batch."""
+    request, so both averages follow the text; a probe whose step is slower than the drafting arm's average doubles
+    that interval (shared by the requests, as the rates are; at most `probe_every` x `PROBE_BACKOFF` steps), one that
+    is faster sets it back, so a head that does not pay costs its probes less and less. A new request drafts with the
+    head first (that step, which runs the prompt's positions through the head, is not measured); until both arms are
+    measured, each request's steps alternate between them. A head that rests skips the positions of its resting
+    steps (`HeadState.skip`), so a probe costs what a step of a drafting head costs. In a batch the step's clock is
+    shared: a request's drafting holds up every other request of the step, so its step is also charged its drafting
+    time once per other request (`charge`), and the head pays only where it pays the batch."""
 
     def __init__(self, cfg, rates: PayRates | None = None, clock=time.perf_counter) -> None:
         self.cfg, self.clock = cfg, clock
@@ -68,6 +72,7 @@ class _HeadPay:
         self.warm = False  # the head's first step (the prompt's catch-up) is done
         self.last = False  # the arm of this request's last measured step
         self.extra = 0.0  # ms this step's drafting held up the batch's other requests (`charge`)
+        self.probing = False  # this step tries the resting arm
 
     def drafts(self) -> bool:
         c, rates = self.cfg, self.rates
@@ -76,14 +81,15 @@ class _HeadPay:
         if not self.warm:
             self.warm, self.on = True, None
             return True
+        probing = False
         if not rates.seen[True] or not rates.seen[False]:
             on = not self.last
         else:
             on = rates.rate[True] >= rates.rate[False]
             self.since += 1
-            if self.since >= c.probe_every:
-                on, self.since = not on, 0
-        self.on, self.t, self.last, self.extra = on, self.clock(), on, 0.0
+            if self.since >= (rates.interval or c.probe_every):
+                on, self.since, probing = not on, 0, True
+        self.on, self.t, self.last, self.extra, self.probing = on, self.clock(), on, 0.0, probing
         return on
 
     def charge(self, ms: float) -> None:
@@ -99,6 +105,10 @@ class _HeadPay:
         arm, self.on = self.on, None
         rate = tokens / max((self.clock() - self.t) * 1e3 + self.extra, 1e-6)
         rates = self.rates
+        if self.probing:  # the resting arm lost again: probe it half as often; it won: as often as at first
+            every = self.cfg.probe_every
+            rates.interval = min(2 * (rates.interval or every), every * PROBE_BACKOFF) \
+                if rate < rates.rate[not arm] else every
         rates.seen[arm] += 1
         w = max(self.cfg.pay_rate, 1.0 / rates.seen[arm])  # (the first sample: w = 1)
         rates.rate[arm] += w * (rate - rates.rate[arm])
