@@ -3,7 +3,7 @@ layer call (input projection, decoder layer, attention over the head's cache of 
 (a step's catch-up) and for 4 tree rows that see the cache and, of the step's earlier draft rows, their own
 ancestors (`back` 4 and 8: the second and third drafted depth), and the logits of those rows.
 
-    python benchmarks/head_cost.py [--threads 2] [--repeats 7]
+    python benchmarks/head_cost.py [--threads 2] [--repeats 7] [--bits 4,8]
 
 Prints the minimum over --repeats rounds of the mean ms per call of 200 calls. Also runs against an older
 checkout whose `FastHead.layer` took a whole mask ``[n, at + n]`` (PYTHONPATH=that/src), for a side-by-side.
@@ -26,11 +26,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--bits", default="4,8", help="the head's weight blocks, comma-separated: 4 (Q4_0), 8 (Q8_0)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_model(DEFAULT_MODEL, "float32", "cpu", arith="int8")
     head = load_head(packaged_head(model), model)
-    fast = FastHead(head)
+    takes_fmt = "fmt" in inspect.signature(FastHead).parameters  # (an older FastHead had Q8_0 blocks only)
+    for bits in args.bits.split(",") if takes_fmt else ["8"]:
+        measure(args, head, FastHead(head, {"4": "Q4_0", "8": "Q8_0"}[bits.strip()]) if takes_fmt else FastHead(head))
+
+
+def measure(args, head, fast) -> None:
     windowed = "allowed" in inspect.signature(fast.layer).parameters  # (an older FastHead took a whole mask)
     hid, cached = head.cfg.hidden_size, 300
     cache = HeadCache()
