@@ -716,3 +716,17 @@ def test_q4_0_rows_are_gguf_blocks_of_the_weights():
             assert np.all(err <= abs(d) * 1.01 + 1e-6) and np.mean(err <= abs(d) / 2 + 1e-2 * abs(d)) >= 0.9, (i, b)
     assert float(rows[1][:2].view(np.float16)[0]) == 0.0
     assert (rows[2][18 + 2 + 8] & 0xF) == 0 and abs(float(rows[2][18:20].view(np.float16)[0]) - 9 / 8) < 1e-3
+
+
+def test_feature_layers_option_names_the_tapped_layers_or_refuses(worded, tmp_path):
+    from goose.headtrain import feature_layers_for, train_head
+
+    assert feature_layers_for("none", 30) == () and feature_layers_for("auto", 30) == (1, 14)
+    assert feature_layers_for(" 3,7 ", 30) == (3, 7)
+    for bad in ("7,3", "29", "1,1", "x", "-1"):
+        with pytest.raises(GooseError, match="feature layers"):
+            feature_layers_for(bad, 30)
+    model, tok = worded
+    with pytest.raises(GooseError, match="feature layers"):  # refused before anything is collected
+        train_head(model, tok, None, tmp_path / "h", tmp_path / "w", _tiny_cfg(feature_layers=(5,)))
+    assert not (tmp_path / "w" / "data.pt").exists()

@@ -111,10 +111,14 @@ def feature_layers_for(spec: str, layers: int) -> tuple[int, ...]:
         out = tuple(int(t) for t in spec.split(","))
     except ValueError:
         raise GooseError(f"feature layers: none, auto or comma-separated layer indices, got {spec!r}") from None
-    if out != tuple(sorted(set(out))) or not 0 <= out[0] <= out[-1] < layers - 1:
-        raise GooseError(f"feature layers {list(out)}: ascending indices of the model's decoder layers before its "
+    return _checked_layers(out, layers)
+
+
+def _checked_layers(taps: tuple[int, ...], layers: int) -> tuple[int, ...]:
+    if taps != tuple(sorted(set(taps))) or (taps and not 0 <= taps[0] <= taps[-1] < layers - 1):
+        raise GooseError(f"feature layers {list(taps)}: ascending indices of the model's decoder layers before its "
                          f"last ({layers - 1})")
-    return out
+    return taps
 
 
 def _conversation(item: dict) -> list[dict]:
@@ -453,11 +457,7 @@ def train_head(model, tokenizer, forward, out: Path, workdir: Path, cfg: TrainCo
     if not 0 <= cfg.regenerate < cfg.max_tokens:
         raise GooseError(f"regenerate ({cfg.regenerate} new tokens) must be below max_tokens ({cfg.max_tokens}), "
                          "which holds the question and the answer")
-    taps = tuple(cfg.feature_layers)
-    layers = model.config.num_hidden_layers
-    if taps != tuple(sorted(set(taps))) or (taps and not 0 <= taps[0] <= taps[-1] < layers - 1):
-        raise GooseError(f"feature layers {list(taps)}: ascending indices of the model's decoder layers before its "
-                         f"last ({layers - 1})")
+    taps = _checked_layers(tuple(cfg.feature_layers), model.config.num_hidden_layers)
     need = cfg.conversations * cfg.max_tokens * H * (len(taps) + 1) * 2 / 2**30
     if need > cfg.memory_gb:
         raise GooseError(f"the features of {cfg.conversations} conversations of up to {cfg.max_tokens} tokens take up "
