@@ -730,3 +730,21 @@ def test_feature_layers_option_names_the_tapped_layers_or_refuses(worded, tmp_pa
     with pytest.raises(GooseError, match="feature layers"):  # refused before anything is collected
         train_head(model, tok, None, tmp_path / "h", tmp_path / "w", _tiny_cfg(feature_layers=(5,)))
     assert not (tmp_path / "w" / "data.pt").exists()
+
+
+@pytest.mark.parametrize("method", ["eagle2", "goose"])
+def test_a_fused_head_is_handed_the_tapped_streams(tiny_model, tmp_path, monkeypatch, method):
+    from goose.engine.methods.eagle2 import HeadState
+
+    folder = random_head(tiny_model, tmp_path / "h", 1, 40, fused=True)
+    widths = []
+    take = HeadState.take_features
+    monkeypatch.setattr(HeadState, "take_features", lambda self, h: (widths.append(h.shape[1]), take(self, h))[1])
+    m = eagle(tiny_model, folder) if method == "eagle2" else "goose"
+    cfg = GooseConfig(eagle=EagleConfig(head=str(folder)))
+    dec = Decoder(tiny_model, None, m, cfg, cost=FLAT)
+    assert dec.method.features == (0,)
+    prompt = [5, 9, 11, 3, 5, 9, 11]
+    out, _ = dec.generate_ids(prompt, DecodeConfig(max_new_tokens=10))
+    assert out == hf_greedy(tiny_model, prompt, 10)
+    assert widths and set(widths) == {2 * tiny_model.config.hidden_size}
