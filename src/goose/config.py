@@ -263,7 +263,8 @@ class EagleConfig:
     # (int8, Zen 3) 64 cut `eagle2`'s drafting to 1.50 ms a step from 1.89 with 256, its τ the same (1.37)
     catch_up: int = 64
     # the head's weights on goose's integer kernels: 4 (GGUF Q4_0 blocks) or 8 (Q8_0). Only drafts depend on them; a
-    # head step reads its weights whole, so 4 bits cut its layer 181 -> 116 us on a Xeon with AMX, its top-1 the same
+    # head step reads its weights whole, so 4 bits cut its layer 0.204 -> 0.125 ms on a Xeon with AMX (one row,
+    # benchmarks/head_cost.py), its top-1 the same
     head_bits: int = 4
 
     def __post_init__(self) -> None:
