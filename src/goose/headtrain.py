@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .backends.head import DraftHead, HeadConfig, save_head
+from .backends.head import DraftHead, HeadConfig, feature_layers_fit, save_head
 from .engine.requests import eos_ids
 from .errors import GooseError
 from .progress import note
@@ -115,7 +115,7 @@ def feature_layers_for(spec: str, layers: int) -> tuple[int, ...]:
 
 
 def _checked_layers(taps: tuple[int, ...], layers: int) -> tuple[int, ...]:
-    if taps != tuple(sorted(set(taps))) or (taps and not 0 <= taps[0] <= taps[-1] < layers - 1):
+    if not feature_layers_fit(taps, layers):
         raise GooseError(f"feature layers {list(taps)}: ascending indices of the model's decoder layers before its "
                          f"last ({layers - 1})")
     return taps

@@ -12,6 +12,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from .errors import GooseError
+
 
 class KVCache(Protocol):
     """One sequence's keys and values (one per request: nothing is shared between caches)."""
@@ -129,6 +131,12 @@ class CostModel(Protocol):
 def feature_taps(features: bool | tuple[int, ...]) -> tuple[int, ...]:
     """The decoder layers a `Segment.features` value taps (none for True or False)."""
     return tuple(features) if isinstance(features, tuple) else ()
+
+
+def check_taps(taps, layers: int) -> None:
+    """GooseError when a forward of `layers` decoder layers cannot tap `taps` (`feature_taps`)."""
+    if taps and not 0 <= min(taps) <= max(taps) < layers:
+        raise GooseError(f"feature taps {list(taps)} outside the model's {layers} decoder layers")
 
 
 def tap_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

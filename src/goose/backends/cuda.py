@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..errors import GooseError
 from ..progress import note
-from ..protocols import Forward, KVCache, Segment, feature_taps, tap_norm
+from ..protocols import Forward, KVCache, Segment, check_taps, feature_taps, tap_norm
 from .fixed_kernels import fixed_kernels
 from .forward import weights_fingerprint
 from .packed import PackedWeight
@@ -442,8 +442,7 @@ class GPUForward(Forward):
         if min(s.tokens) < 0 or max(s.tokens) >= self.vocab:  # (on a GPU a bad index would stop the device)
             raise GooseError(f"token ids must lie in 0..{self.vocab - 1}")
         taps = feature_taps(s.features)
-        if taps and not 0 <= min(taps) <= max(taps) < len(self.layers):
-            raise GooseError(f"feature taps {list(taps)} outside the model's {len(self.layers)} decoder layers")
+        check_taps(taps, len(self.layers))
         p = c.length
         if p + n > self.capacity:
             raise GooseError(f"the sequence needs {p + n} cache entries; this GPUForward holds {self.capacity} per "

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import GooseError
-from ..protocols import Forward, KVCache, feature_taps, tap_norm
+from ..protocols import Forward, KVCache, check_taps, feature_taps, tap_norm
 from .kv_cache import cache_length, keep_path
 from .packed import PackedWeight
 from .tree_tensors import additive_mask
@@ -214,8 +214,7 @@ class HFForward(Forward):
                              "head's input) cannot be read")
         taps = feature_taps(s.features)
         layers = getattr(self.model.model, "layers", ())
-        if taps and not 0 <= min(taps) <= max(taps) < len(layers):
-            raise GooseError(f"feature taps {list(taps)} outside the model's {len(layers)} decoder layers")
+        check_taps(taps, len(layers))
         caught, tapped = [], {}
 
         def tap(i):

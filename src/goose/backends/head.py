@@ -75,6 +75,12 @@ class HeadConfig:
         return tuple(self.feature_layers) or True
 
 
+def feature_layers_fit(taps, layers: int) -> bool:
+    """Whether `taps` can be a fused head's `feature_layers` for a model of `layers` decoder layers: ascending
+    indices of layers before its last (whose stream is the final state, read anyway)."""
+    return list(taps) == sorted(set(taps)) and (not taps or 0 <= taps[0] <= taps[-1] < layers - 1)
+
+
 def target_identity(model) -> dict:
     """What a head must match: the target's shape and a digest of its output head's values (a head trained
     on another model of the same shape would be lossless but useless)."""
@@ -403,7 +409,7 @@ def load_head(folder: str | Path, model, dtype=torch.float32) -> DraftHead:
     target = (raw.get("goose") or {}).get("target")
     taps = (raw.get("goose") or {}).get("feature_layers") or []
     if (not isinstance(taps, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in taps)
-            or taps != sorted(set(taps)) or (taps and not 0 <= taps[0] <= taps[-1] < c.num_hidden_layers - 1)):
+            or not feature_layers_fit(taps, c.num_hidden_layers)):
         raise bad(f"feature_layers {taps!r}: ascending indices of the model's decoder layers before its last "
                   f"({c.num_hidden_layers - 1})")
     if target:

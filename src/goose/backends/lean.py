@@ -58,7 +58,7 @@ from torch import nn
 
 from ..errors import GooseError
 from ..names import ARITHS  # LeanForward's arithmetics (see its `arith`)
-from ..protocols import Forward, KVCache, Segment, feature_taps, tap_norm
+from ..protocols import Forward, KVCache, Segment, check_taps, feature_taps, tap_norm
 from . import cpukernel, int8
 from .cpukernel import CpuKernels
 from .forward import active_sliding_window, weights_fingerprint
@@ -475,8 +475,7 @@ class LeanForward(Forward):
             attends = [self._torch_attention(s, cos, sin, p) for s, (_, _, p), (cos, sin) in zip(segments, spans, rope)]
         one = len(segments) == 1
         taps = sorted({t for s in segments for t in feature_taps(s.features)})  # layers a fused head reads
-        if taps and not 0 <= taps[0] <= taps[-1] < len(self.layers):
-            raise GooseError(f"feature taps {taps} outside the model's {len(self.layers)} decoder layers")
+        check_taps(taps, len(self.layers))
         if self.plan is not None:  # all layers in one kernel call (one per stretch between taps)
             tapped = self.plan(x, self.attn_kernel.attention_batch(attends), tuple(taps))
         else:
