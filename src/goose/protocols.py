@@ -144,3 +144,9 @@ def tap_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
+
+def with_taps(final: torch.Tensor, streams: list[torch.Tensor]) -> torch.Tensor:
+    """A segment's `hidden`: the tapped `streams` (each `tap_norm`ed), then the `final` states; `final` alone
+    without taps."""
+    return torch.cat([tap_norm(t).to(final.dtype) for t in streams] + [final], -1) if streams else final
+

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ..errors import GooseError
 from ..progress import note
-from ..protocols import Forward, KVCache, Segment, check_taps, feature_taps, tap_norm
+from ..protocols import Forward, KVCache, Segment, check_taps, feature_taps, with_taps
 from .fixed_kernels import fixed_kernels
 from .forward import weights_fingerprint
 from .packed import PackedWeight
@@ -471,8 +471,7 @@ class GPUForward(Forward):
             out, hidden = self._compute(ids, depths.to(dev), allowed.to(dev), anc.to(dev), meta, (base, p), keep,
                                         taps, tapped)
             if s.features:
-                s.hidden = hidden if not taps else torch.cat([tap_norm(t).to(hidden.dtype) for t in tapped] + [hidden],
-                                                             -1)
+                s.hidden = with_taps(hidden, tapped)
         c.appended(p, n)
         return out
 

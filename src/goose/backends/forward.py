@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from ..errors import GooseError
-from ..protocols import Forward, KVCache, check_taps, feature_taps, tap_norm
+from ..protocols import Forward, KVCache, check_taps, feature_taps, with_taps
 from .kv_cache import cache_length, keep_path
 from .packed import PackedWeight
 from .tree_tensors import additive_mask
@@ -227,9 +227,7 @@ class HFForward(Forward):
         finally:
             for h in hooks:
                 h.remove()
-        final = caught[-1][0]
-        s.hidden = final if not taps else torch.cat([tap_norm(tapped[t][0]).to(final.dtype) for t in taps] + [final],
-                                                    -1)
+        s.hidden = with_taps(caught[-1][0], [tapped[t][0] for t in taps])
         return logits
 
     def _one(self, cache: "HFCache", tokens, depths, allowed, keep_last) -> torch.Tensor:

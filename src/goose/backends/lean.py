@@ -58,7 +58,7 @@ from torch import nn
 
 from ..errors import GooseError
 from ..names import ARITHS  # LeanForward's arithmetics (see its `arith`)
-from ..protocols import Forward, KVCache, Segment, check_taps, feature_taps, tap_norm
+from ..protocols import Forward, KVCache, Segment, check_taps, feature_taps, with_taps
 from . import cpukernel, int8
 from .cpukernel import CpuKernels
 from .forward import active_sliding_window, weights_fingerprint
@@ -488,9 +488,7 @@ class LeanForward(Forward):
             if s.features:  # (the norm is fused into the output head's kernel: computed here for these rows)
                 if feats is None:
                     feats = _rms(x, self.norm, self.norm_eps)
-                mine = feature_taps(s.features)
-                s.hidden = feats[a:b] if not mine else torch.cat(
-                    [tap_norm(tapped[taps.index(t)][a:b]).to(feats.dtype) for t in mine] + [feats[a:b]], -1)
+                s.hidden = with_taps(feats[a:b], [tapped[taps.index(t)][a:b] for t in feature_taps(s.features)])
         if one:
             h = x[rows[0][0] : rows[0][1]]
         else:
