@@ -575,3 +575,20 @@ def test_goose_serve_on_a_taken_port_exits_nonzero(worded, tmp_path, capsys):
         with pytest.raises(SystemExit) as info:  # uvicorn ends the process itself, after logging why
             main(["serve", "--model", str(tmp_path / "tiny"), "--port", str(port), "--method", "ar"])
     assert info.value.code not in (0, None)
+
+
+def test_the_prefill_chunk_reaches_the_engine_and_must_be_positive(monkeypatch, capsys):
+    """`goose serve --prefill-chunk N` sets the step's prompt-token budget (`EngineConfig.prefill_chunk`; without
+    it each request's own chunk); 0 or a word is refused by the parser."""
+    import goose.server.app as app
+    from goose.cli import main
+
+    seen = []
+    monkeypatch.setattr(app, "serve", lambda model, method, host, port, engine, *a, **k: seen.append(engine) or 0)
+    assert main(["serve", "--prefill-chunk", "96"]) == 0
+    assert main(["serve"]) == 0
+    assert [e.prefill_chunk for e in seen] == [96, None]
+    for value in ("0", "many"):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "--prefill-chunk", value])
+        assert info.value.code == 2 and "--prefill-chunk" in capsys.readouterr().err

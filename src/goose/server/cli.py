@@ -14,7 +14,14 @@ from ..cliargs import (
     positive_int,
     prefix_cache_mb,
 )
-from ..config import DEFAULT_MAX_TENANTS, DEFAULT_MEMORY_MB, DEFAULT_PREFIX_CACHE_MB, DEFAULT_SNAPSHOT_S, EngineConfig
+from ..config import (
+    DEFAULT_MAX_TENANTS,
+    DEFAULT_MEMORY_MB,
+    DEFAULT_PREFIX_CACHE_MB,
+    DEFAULT_SNAPSHOT_S,
+    DecodeConfig,
+    EngineConfig,
+)
 from ..config import DEFAULT_STALL_S as STALL_S
 from .keys import MAX_KEY_CHARS, MAX_KEY_LINES, MAX_TENANT_CHARS, read_key_file
 
@@ -99,8 +106,9 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
     hosts = None if args.allowed_hosts is None else [h.strip() for h in args.allowed_hosts.split(",") if h.strip()]
     offered = (args.method, *args.methods) if args.methods is not None else (args.method, *SERVE_METHODS)
-    engine = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, prefix_cache_mb=args.prefix_cache_mb,
-                          memory_mb=args.memory_mb, max_tenants=args.max_tenants, methods=offered)
+    engine = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+                          prefix_cache_mb=args.prefix_cache_mb, memory_mb=args.memory_mb,
+                          max_tenants=args.max_tenants, methods=offered)
     return serve(args.model, args.method, args.host, args.port, engine, api_key, args.dtype, args.device,
                  served_name=args.served_model_name, drain_timeout=args.drain_timeout,
                  max_body_bytes=args.max_body_kb * 1024, default_max_tokens=args.default_max_tokens,
@@ -131,6 +139,9 @@ def register(sub) -> None:
     s.add_argument("--max-batch", type=positive_int, default=8, help="requests decoded together (default 8)")
     s.add_argument("--max-queue", type=_non_negative_int, default=64,
                    help="waiting requests beyond which new ones get 429 (default 64)")
+    s.add_argument("--prefill-chunk", type=positive_int, default=None,
+                   help="prompt tokens all new requests may add in one step, which bounds how long a long prompt "
+                        f"holds up the running requests (default: a request's own chunk, {DecodeConfig.prefill_chunk})")
     s.add_argument("--prefix-cache-mb", type=prefix_cache_mb, default=DEFAULT_PREFIX_CACHE_MB,
                    help="room for stored prompt prefixes' keys and values, reused by requests that start with "
                         f"them (a shared system prompt, earlier turns); 0 = off (default {DEFAULT_PREFIX_CACHE_MB})")
