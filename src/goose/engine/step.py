@@ -231,11 +231,11 @@ def _forward(forward: Forward, work: list[_Work], segments: list[Segment], rows:
     try:
         if governor is not None:
             governor.before(rows)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         outs = forward.run(segments)
         seconds = time.perf_counter() - t0
         if governor is not None:
-            governor.after(rows, seconds)
+            governor.after(rows, seconds, time.thread_time() - c0)
         return list(zip(work, outs)), seconds
     except Exception as exc:
         if len(segments) == 1:

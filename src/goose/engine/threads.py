@@ -20,8 +20,16 @@ thousands; on a busy one the loop moves to one thread within a few forwards, and
 machine going quiet (one thread's own timings are too noisy there to tell a quiet machine from a lucky forward).
 A new governor starts where another one of the process left off in the last `REMEMBER_S` seconds (its setting and
 its wait for the next probe, with no early probe): a process-wide hint that shapes speed only.
-Tokens never depend on it: every row's arithmetic is the same on any number of threads.
-"""
+
+The loop also knows whether the thread it runs on shares its core with another process: a forward's thread CPU
+time against its wall time (`after`'s `cpu`; on a quiet machine 1.00 on one thread or all, the team's waits spin).
+While the median share of the current setting's recent forwards is below `SHARED` (more runnable threads than cores),
+on all threads the loop moves to one thread at once, without waiting for a probe (a team with a descheduled thread
+costs rare forwards of tens to a hundred forwards' time, which a median does not see), and on one thread no probe on
+all threads is run (it would be such a forward, and lose); the probe is due again after the same wait, so a machine
+that goes quiet gets all threads back as before. Measured on a Zen 1 (2 cores) beside 2 busy processes: one thread's
+share 0.48-0.72, all threads' 0.48-0.66; beside 1 busy process one thread's 0.99; `ar` on one thread there 0.57x of
+its quiet 2-thread speed, 0.15-0.26x with the probes and the medians alone."""
 
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ RECENT = 8  # forwards per (setting, size) whose median the probe is compared wi
 PROBE_ROWS = 16  # only forwards of at most this many query rows are probes (a due probe waits for one)
 MAX_PROBE_S = 32.0  # the longest wait between probes (each probe that does not switch doubles it from PROBE_S)
 SURPRISE = 1.5  # a forward on all threads this many times slower than its size's median makes a probe due at once
+SHARED = 0.8  # one-thread forwards whose thread ran less than this fraction of their wall time (median): no probe
 
 
 def _bucket(rows: int) -> int:
@@ -65,6 +74,7 @@ class ThreadGovernor:
         if chose in (1, self.full) and 0 <= clock() - at < REMEMBER_S:  # another governor's setting, and its
             self.threads, self._fails, self._last_probe = chose, fails, clock()  # wait: no early probe
         self._due = False  # a surprising forward: the next small forward is a probe
+        self._share: deque = deque(maxlen=RECENT)  # the current setting's recent forwards' CPU time over wall time
         self._probing = False
         self.probed = False  # the last forward was a probe (on the other setting)
 
@@ -80,17 +90,29 @@ class ThreadGovernor:
         wait = min(self.probe_s * 2 ** self._fails, max(MAX_PROBE_S, self.probe_s))
         since = self.clock() - self._last_probe
         self._probing = rows <= PROBE_ROWS and (since >= wait or self._due and since >= FIRST_PROBE_S)
+        if self._probing and self.threads == 1 and self.shared():
+            self._probing, self._last_probe = False, self.clock()  # all threads would lose: the same wait again
         want = self.other if self._probing else self.threads
         if torch.get_num_threads() != want:
             torch.set_num_threads(want)
 
-    def after(self, rows: int, seconds: float) -> None:
-        """Record the forward just run (`rows` query rows in all, `seconds` long); a probe may switch."""
+    def shared(self) -> bool:
+        """Whether the current setting's recent forwards shared the loop's core with another process (`SHARED`)."""
+        return len(self._share) >= RECENT // 2 and sorted(self._share)[len(self._share) // 2] < SHARED
+
+    def after(self, rows: int, seconds: float, cpu: float | None = None) -> None:
+        """Record the forward just run (`rows` query rows in all, `seconds` long, `cpu` seconds of the calling
+        thread's CPU time when known); a probe may switch."""
         if not self.enabled:
             return
         self.probed = self._probing
         size = _bucket(rows)
         ThreadGovernor._chosen = (self.threads, self.clock(), self._fails)
+        if cpu is not None and seconds > 0 and not self._probing:
+            self._share.append(cpu / seconds)
+            if self.threads == self.full and self.shared():  # a contended core: one thread at once
+                self._switch(self.clock())
+                return
         if not self._probing:
             recent = self._recent.setdefault((self.threads, size), deque(maxlen=RECENT))
             if self.threads == self.full and len(recent) >= RECENT // 2 and self.probe_s < float("inf"):
@@ -102,14 +124,20 @@ class ThreadGovernor:
         mine = self._recent.get((self.threads, size))
         self._recent.setdefault((self.other, size), deque(maxlen=RECENT)).append(seconds)
         if mine and seconds <= SWITCH * sorted(mine)[len(mine) // 2]:
-            self.threads = self.other
-            self.switches += 1
-            self._fails = 0
-            self._recent = {(self.threads, size): deque([seconds], maxlen=RECENT)}  # the machine changed: medians
-            # of either setting from before would flag the new normal as a surprise
+            self._switch(self._last_probe)
+            self._recent = {(self.threads, size): deque([seconds], maxlen=RECENT)}
         else:
             self._fails += 1
         ThreadGovernor._chosen = (self.threads, self.clock(), self._fails)
+
+    def _switch(self, now: float) -> None:
+        """To the other setting. The machine changed: medians and shares of either setting from before would flag
+        the new normal as a surprise (the probe's own time is the new setting's first sample, where there is one)."""
+        self.threads = self.other
+        self.switches += 1
+        self._fails = 0
+        self._recent, self._share, self._due, self._last_probe = {}, deque(maxlen=RECENT), False, now
+        ThreadGovernor._chosen = (self.threads, now, 0)
 
     def release(self) -> None:
         """Give the calling thread its full thread count back (the setting is kept for the next forward)."""
