@@ -46,7 +46,7 @@ RECENT = 8  # forwards per (setting, size) whose median the probe is compared wi
 PROBE_ROWS = 16  # only forwards of at most this many query rows are probes (a due probe waits for one)
 MAX_PROBE_S = 32.0  # the longest wait between probes (each probe that does not switch doubles it from PROBE_S)
 SURPRISE = 1.5  # a forward on all threads this many times slower than its size's median makes a probe due at once
-SHARED = 0.8  # one-thread forwards whose thread ran less than this fraction of their wall time (median): no probe
+SHARED = 0.8  # the loop's thread on the CPU less than this fraction of its recent forwards' wall time: a shared core
 
 
 def _bucket(rows: int) -> int:
