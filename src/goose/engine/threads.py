@@ -110,7 +110,7 @@ class ThreadGovernor:
         ThreadGovernor._chosen = (self.threads, self.clock(), self._fails)
         if cpu is not None and seconds > 0 and not self._probing:
             self._share.append(cpu / seconds)
-            if self.threads == self.full and self.shared():  # a contended core: one thread at once
+            if self.threads == self.full and self.probe_s < float("inf") and self.shared():  # a contended core
                 self._switch(self.clock())
                 return
         if not self._probing:
