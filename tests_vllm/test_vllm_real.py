@@ -25,8 +25,9 @@ def results():
 
     model = str(model_dir("smollm2-135m"))  # made by the main venv (make test) before these tests
     prompts = prompt_ids(model, BUILTIN[:5], chat=True)
-    # one engine per method for both phases, one round: token identity is what is checked here
-    return run_interleaved(["plain", "goose"], model, prompts, MAX_NEW, [1, 4], rounds=1, fresh_engines=False)
+    # one engine per method for both phases, one round, eager (loads in seconds): token identity is what is checked
+    return run_interleaved(["plain", "goose"], model, prompts, MAX_NEW, [1, 4], rounds=1, fresh_engines=False,
+                           eager=True)
 
 
 def check_identical(results, run: str) -> None:

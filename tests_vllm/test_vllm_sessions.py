@@ -19,7 +19,8 @@ def test_suffix_warm_sessions_identical_to_plain():
 
     model = str(model_dir("smollm2-135m"))
     sessions = [BUILTIN[2], Question("q2", "writing", ("Write a haiku about the sea.", "Now one about rain."))]
-    result = run_sessions(["plain", "suffix@warm"], model, sessions, chat=True, max_new_tokens=32, threads=2)
+    result = run_sessions(["plain", "suffix@warm"], model, sessions, chat=True, max_new_tokens=32, threads=2,
+                          eager=True)
     table = session_table(result, sessions)
     assert table["all"]["suffix@warm"]["identical"] == table["all"]["suffix@warm"]["turns"] == 4
     assert table["all"]["plain"]["tau"] == pytest.approx(1.0, abs=0.05)  # one forward a token (+ prefill)

@@ -79,7 +79,8 @@ class Worker:
     """One method's vLLM engine in its own process (a fresh engine, the preloads of vLLM's CPU build),
     answering generation jobs one JSON line at a time, so methods can be interleaved prompt by prompt."""
 
-    def __init__(self, method: str, model: str, max_model_len: int, max_num_seqs: int, threads: int = 2) -> None:
+    def __init__(self, method: str, model: str, max_model_len: int, max_num_seqs: int, threads: int = 2,
+                 eager: bool = False) -> None:
         base = method.partition("@")[0]  # suffix@warm: vLLM's suffix, its cache set by `reset`
         if base not in SPEC_CONFIGS:
             raise GooseError(f"unknown vLLM method '{method}'; choose from: {', '.join(METHODS)}")
@@ -92,7 +93,7 @@ class Worker:
 
         threading.Thread(target=self._drain, daemon=True).start()
         self.info = self._call({"op": "load", "method": base, "model": model, "max_model_len": max_model_len,
-                                "max_num_seqs": max_num_seqs})
+                                "max_num_seqs": max_num_seqs, "eager": eager})
 
     def _drain(self) -> None:
         for line in self.proc.stderr:
@@ -144,7 +145,7 @@ def _serve() -> None:
             t0 = time.perf_counter()
             llm = LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"],
                       max_num_seqs=job["max_num_seqs"], speculative_config=SPEC_CONFIGS[job["method"]], seed=0,
-                      kv_cache_memory_bytes=KV_CACHE_BYTES)
+                      kv_cache_memory_bytes=KV_CACHE_BYTES, enforce_eager=job.get("eager", False))
             res = {"load_s": time.perf_counter() - t0}
             steps = _count_steps(llm)
             _generate(llm, [[1, 2, 3, 4]], 8)  # warm-up
@@ -223,7 +224,7 @@ def _reset_suffix(llm, sequences: list) -> dict:
 
 def run_interleaved(methods: list[str], model: str, prompts: list[list[int]], max_new_tokens: int,
                     concurrency: list[int], threads: int = 2, log=None, rounds: int = 2,
-                    fresh_engines: bool = True) -> dict[str, dict]:
+                    fresh_engines: bool = True, eager: bool = False) -> dict[str, dict]:
     """Every method on the same prompts, interleaved: batch 1 prompt by prompt (method order rotated per
     prompt), then, on fresh engines, each concurrency (all prompts at once, at most c running) method by
     method, `rounds` times (method order reversed every other round; the times add up).
@@ -231,7 +232,9 @@ def run_interleaved(methods: list[str], model: str, prompts: list[list[int]], ma
     Fresh engines for the concurrency phase: methods that remember earlier requests (vLLM's `suffix`,
     GooseProposer's memory) would otherwise copy the answers of the batch-1 phase; within a phase they
     remember as a server would. Later rounds of a phase do see the earlier rounds' answers. With
-    `fresh_engines=False` (tests: token identity only) one engine per method serves both phases.
+    `fresh_engines=False` (tests: token identity only) one engine per method serves both phases. `eager`:
+    vLLM's ``enforce_eager`` (no torch.compile: an engine loads in about 5 s instead of about 70 on 2 cores, and
+    decodes about 1.3x slower; for tests, where token identity is what is checked, never for timings).
     Returns {method: {"load_s", "runs": {"1": {...}, "c": {...}}, "proposer": {...}}}."""
     say = log or (lambda msg: None)
     conc = [c for c in concurrency if c > 1]
@@ -239,7 +242,7 @@ def run_interleaved(methods: list[str], model: str, prompts: list[list[int]], ma
         raise GooseError("one --concurrency value per run (each engine is built for it)")
     max_len = max(2048, max(len(p) for p in prompts) + max_new_tokens + 64)
     out: dict[str, dict] = {m: {"runs": {"1": {"token_ids": [], "wall_s": []}}} for m in methods}
-    first = _engines(methods, model, max_len, 1 if fresh_engines else max(conc or [1]), threads, say)
+    first = _engines(methods, model, max_len, 1 if fresh_engines else max(conc or [1]), threads, say, eager)
     with first as workers:
         for m, w in workers.items():
             out[m]["load_s"] = w.info["load_s"]
@@ -258,7 +261,7 @@ def run_interleaved(methods: list[str], model: str, prompts: list[list[int]], ma
             _concurrency(out, workers, methods, prompts, max_new_tokens, conc, rounds, say)
     if fresh_engines:
         for c in conc:
-            with _engines(methods, model, max_len, c, threads, say) as workers:
+            with _engines(methods, model, max_len, c, threads, say, eager) as workers:
                 _concurrency(out, workers, methods, prompts, max_new_tokens, [c], rounds, say)
     return out
 
@@ -282,16 +285,16 @@ def _concurrency(out, workers, methods, prompts, max_new_tokens, conc, rounds, s
 class _engines:
     """Context manager: one Worker per method, all closed on exit."""
 
-    def __init__(self, methods, model, max_len, max_num_seqs, threads, say) -> None:
-        self.args = (methods, model, max_len, max_num_seqs, threads, say)
+    def __init__(self, methods, model, max_len, max_num_seqs, threads, say, eager: bool = False) -> None:
+        self.args = (methods, model, max_len, max_num_seqs, threads, say, eager)
         self.workers: dict[str, Worker] = {}
 
     def __enter__(self) -> dict[str, Worker]:
-        methods, model, max_len, seqs, threads, say = self.args
+        methods, model, max_len, seqs, threads, say, eager = self.args
         try:
             for m in methods:
                 say(f"loading vLLM {m} (max_num_seqs {seqs})")
-                self.workers[m] = Worker(m, model, max_len, seqs, threads)
+                self.workers[m] = Worker(m, model, max_len, seqs, threads, eager)
         except BaseException:
             self.__exit__()
             raise
@@ -409,14 +412,15 @@ class _DecoderEngine:
 
 
 def run_sessions(methods: list[str], model: str, questions, chat: bool, max_new_tokens: int, threads: int = 2,
-                 log=None, memory_mb: float = DEFAULT_MEMORY_MB) -> dict:
+                 log=None, memory_mb: float = DEFAULT_MEMORY_MB, eager: bool = False) -> dict:
     """Every method on every session, turn after turn with its own answers in the context.
 
     Pass 1: the references (vLLM `plain`, and goose's `decoder/ar` when decoder rows are asked for) answer
     every session; their answers are what the memory modes hold. Pass 2: every method, references again
     (their times), session by session in rotated order. A `@cold`, `@earlier` or `@warm` method starts each
     session with its memory (vLLM `suffix`'s cache of responses; the Decoder's suffix memory) emptied and
-    filled with nothing, the earlier sessions or every other session, each turn's prompt and answer.
+    filled with nothing, the earlier sessions or every other session, each turn's prompt and answer. `eager`: as
+    in `run_interleaved`.
     Returns {"turns": {method: {question_id: [turn, ...]}}, "reference": {...}}; a turn is
     {"prompt_tokens", "token_ids", "seconds", "steps", "memory_accepted"}."""
     from .methods import remembered, split  # noqa: PLC0415
@@ -459,7 +463,7 @@ def run_sessions(methods: list[str], model: str, questions, chat: bool, max_new_
     max_len = 8192
     turns: dict = {m: {} for m in methods}
     reference: dict = {r: {} for r in refs}
-    with _engines(vllm_methods, model, max_len, 1, threads, say) as workers:
+    with _engines(vllm_methods, model, max_len, 1, threads, say, eager) as workers:
         engines.update(workers)
         for i, q in enumerate(questions):
             for r in refs:
