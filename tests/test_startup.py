@@ -7,6 +7,7 @@ measurement stops in bounded time and never caches a disturbed curve."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -437,3 +438,27 @@ def test_the_cost_curve_key_tells_cpus_apart(monkeypatch):
     assert costmodel.curve_key(model, forward) == here
     monkeypatch.setattr(costmodel, "cpu_identity", lambda: "Another CPU family=6 model=143 stepping=8 cpus=2")
     assert costmodel.curve_key(model, forward) != here
+
+
+def test_dequantizing_a_gguf_file_parses_it_once_into_the_same_folder(tmp_path, fresh_cache, monkeypatch):
+    """transformers builds a GGUF reader for the config, the tokenizer and the weights; goose's first use of a
+    file lets it build one (its vocabulary is parsed in Python: 25 s for Gemma-3's), with the same folder."""
+    import gguf
+
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", quant="Q8_0")
+    real, built = gguf.GGUFReader, []
+
+    def counting(path, *args, **kwargs):
+        built.append(Path(path).resolve())
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    once = loading.model_dir(str(src))
+    assert built.count(src.resolve()) == 1 and gguf.GGUFReader is counting  # the reader put back after
+    monkeypatch.setattr(loading, "_one_gguf_parse", lambda path: contextlib.nullcontext())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))
+    thrice = loading.model_dir(str(src))
+    assert built.count(src.resolve()) == 4
+    names = sorted(p.name for p in once.iterdir())
+    assert names == sorted(p.name for p in thrice.iterdir()) and any(n.endswith(".safetensors") for n in names)
+    assert all((once / n).read_bytes() == (thrice / n).read_bytes() for n in names)
