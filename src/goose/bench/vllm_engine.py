@@ -233,7 +233,7 @@ def run_interleaved(methods: list[str], model: str, prompts: list[list[int]], ma
     GooseProposer's memory) would otherwise copy the answers of the batch-1 phase; within a phase they
     remember as a server would. Later rounds of a phase do see the earlier rounds' answers. With
     `fresh_engines=False` (tests: token identity only) one engine per method serves both phases. `eager`:
-    vLLM's ``enforce_eager`` (no torch.compile: an engine loads in about 5 s instead of about 70 on 2 cores, and
+    vLLM's ``enforce_eager`` (no torch.compile: an engine loaded in 4.5 s instead of 68 on a 2-core Zen 3, and
     decodes about 1.3x slower; for tests, where token identity is what is checked, never for timings).
     Returns {method: {"load_s", "runs": {"1": {...}, "c": {...}}, "proposer": {...}}}."""
     say = log or (lambda msg: None)
