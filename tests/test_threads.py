@@ -100,20 +100,34 @@ def test_probes_that_do_not_switch_come_ever_more_rarely(threads):
     assert later.threads == 1 and 2 not in used[: int((MAX_PROBE_S - 1) / DT)]
 
 
+def stalling(fast: float, stall: float, every: int, one: float):
+    """Seconds of a forward beside busy processes: on all threads `fast`, but every `every`-th one waits `stall`
+    for a descheduled team thread; on one thread `one`."""
+    calls = [0]
+
+    def seconds_at(n: int) -> float:
+        if n == 1:
+            return one
+        calls[0] += 1
+        return stall if calls[0] % every == 0 else fast
+
+    return seconds_at
+
+
 def test_a_shared_core_moves_the_loop_to_one_thread_and_holds_back_probes_on_all(threads):
     """Beside as many busy processes as cores the loop's thread gets a share of its core (0.48-0.72 measured on 2
-    cores beside 2), and a team with a descheduled thread costs rare forwards of a hundred forwards' time, which
+    cores beside 2), and a team with a descheduled thread costs rare forwards of tens of forwards' time, which
     medians do not see (here all threads' median even looks faster than one thread's). On all threads a median
-    share below SHARED moves the loop to one thread at once; on one thread no probe on all threads runs while it
-    lasts. Once the core is the thread's own again (beside one busy process, or quiet), probes come as before, and
-    a quiet machine gets all threads back."""
+    share below SHARED makes a probe on one thread due, weighed against the mean, stalls included: the loop moves
+    to one thread; on one thread no probe on all threads runs while it lasts. Once the core is the thread's own
+    again (beside one busy process, or quiet), probes come as before, and a quiet machine gets all threads back."""
     clock = Clock()
     gov = ThreadGovernor(threads=2, clock=clock)
-    busy = {2: 0.013, 1: 0.019}
-    used = run(gov, clock, busy.get, 8, share=SHARED - 0.2)
-    assert used == [2] * (len(used) - used.count(1)) + [1] * used.count(1) and 2 <= used.count(1) <= 5
-    assert gov.threads == 1 and gov.switches == 1  # after RECENT // 2 forwards, no probe needed
-    used = run(gov, clock, busy.get, int(60 / DT), share=SHARED - 0.1)  # a busy minute on a shared core
+    busy = stalling(0.013, 0.300, 10, 0.019)
+    used = run(gov, clock, busy, int(2 * FIRST_PROBE_S / DT) + 12, share=SHARED - 0.2)  # within half a second
+    assert gov.threads == 1 and gov.switches == 1  # by a probe weighed against the stalls
+    assert used[-10:] == [1] * 10
+    used = run(gov, clock, busy, int(60 / DT), share=SHARED - 0.1)  # a busy minute on a shared core
     assert 2 not in used and gov.shared()
     beside_one = {2: 0.030, 1: 0.011}
     used = run(gov, clock, beside_one.get, int(2 * MAX_PROBE_S / DT))  # its own core: probes, all threads lose
@@ -123,6 +137,18 @@ def test_a_shared_core_moves_the_loop_to_one_thread_and_holds_back_probes_on_all
     assert gov.threads == 2 and gov.switches == 2 and used[-50:].count(1) <= 1
     used = run(gov, clock, quiet.get, int(10 / DT), share=SHARED + 0.05)  # a quiet machine's shares: no switch
     assert gov.threads == 2 and gov.switches == 2
+
+
+def test_a_core_shared_with_a_light_process_keeps_all_threads_where_they_are_as_fast(threads):
+    """A server's own load client takes part of a core: the loop's share drops below SHARED (0.78-0.80 measured),
+    yet its forwards on all threads are as fast as on one, without stalls (and its prompt chunks, never probes,
+    twice as fast: measured on a Zen 3, 1167 ms for 519 rows on one thread). The probes that the share makes due
+    lose, and the loop stays on all threads, probing no more often than every FIRST_PROBE_S."""
+    clock = Clock()
+    gov = ThreadGovernor(threads=2, clock=clock)
+    used = run(gov, clock, {2: 0.028, 1: 0.029}.get, int(60 / DT), share=SHARED - 0.05)
+    assert gov.threads == 2 and gov.switches == 0
+    assert 0 < used.count(1) <= 60 / FIRST_PROBE_S + 1
 
 
 def test_noise_within_the_margin_never_switches(threads):

@@ -24,12 +24,16 @@ its wait for the next probe, with no early probe): a process-wide hint that shap
 The loop also knows whether the thread it runs on shares its core with another process: a forward's thread CPU
 time against its wall time (`after`'s `cpu`; on a quiet machine 1.00 on one thread or all, the team's waits spin).
 While the median share of the current setting's recent forwards is below `SHARED` (more runnable threads than cores),
-on all threads the loop moves to one thread at once, without waiting for a probe (a team with a descheduled thread
-costs rare forwards of tens to a hundred forwards' time, which a median does not see), and on one thread no probe on
-all threads is run (it would be such a forward, and lose); the probe is due again after the same wait, so a machine
-that goes quiet gets all threads back as before. Measured on a Zen 1 (2 cores) beside 2 busy processes: one thread's
-share 0.48-0.72, all threads' 0.48-0.66; beside 1 busy process one thread's 0.99; `ar` on one thread there 0.57x of
-its quiet 2-thread speed, 0.15-0.26x with the probes and the medians alone."""
+on all threads a probe on one thread is due at the next small forward (at most every `FIRST_PROBE_S`) and is weighed
+against the mean of its size's recent forwards, not their median: a team with a descheduled thread costs rare
+forwards of tens of forwards' time, which a median does not see; and on one thread no probe on all threads is run
+(it would be such a forward, and lose); that probe is due again after the same wait, so a machine that goes quiet
+gets all threads back as before. Measured on a Zen 1 (2 cores) beside 2 busy processes: one thread's share
+0.48-0.72, all threads' 0.48-0.66; beside 1 busy process one thread's 0.99; `ar` on one thread there 0.57x of its
+quiet 2-thread speed, 0.15-0.26x with the probes and the medians alone. A share alone does not move the loop: a
+server's load client on the same 2 cores (Zen 3, 16 streams) brought all threads' share to 0.78-0.80 with 8-row
+forwards as fast as on one thread and prompt chunks twice as fast (519 rows: 1167 ms on one thread); moving to one
+thread there cost a third of the server's throughput."""
 
 from __future__ import annotations
 
@@ -110,9 +114,8 @@ class ThreadGovernor:
         ThreadGovernor._chosen = (self.threads, self.clock(), self._fails)
         if cpu is not None and seconds > 0 and not self._probing:
             self._share.append(cpu / seconds)
-            if self.threads == self.full and self.probe_s < float("inf") and self.shared():  # a contended core
-                self._switch(self.clock())
-                return
+            if self.threads == self.full and self.probe_s < float("inf") and self.shared():  # a contended core:
+                self._due = True  # a probe on one thread soon, weighed against the mean (the stalls count)
         if not self._probing:
             recent = self._recent.setdefault((self.threads, size), deque(maxlen=RECENT))
             if self.threads == self.full and len(recent) >= RECENT // 2 and self.probe_s < float("inf"):
@@ -123,7 +126,7 @@ class ThreadGovernor:
         self._probing = self._due = False
         mine = self._recent.get((self.threads, size))
         self._recent.setdefault((self.other, size), deque(maxlen=RECENT)).append(seconds)
-        if mine and seconds <= SWITCH * sorted(mine)[len(mine) // 2]:
+        if mine and seconds <= SWITCH * (sum(mine) / len(mine) if self.shared() else sorted(mine)[len(mine) // 2]):
             self._switch(self._last_probe)
             self._recent = {(self.threads, size): deque([seconds], maxlen=RECENT)}
         else:
