@@ -13,6 +13,13 @@ GGUF: the same weight values goose multiplies from the GGUF blocks).
 
     .venv/bin/python benchmarks/vs_vllm_serve.py --limit 1 --concurrency 1,4 --max-tokens 128
 
+With `--client vllm` each server gets vLLM's own client instead (`vllm bench serve` through
+`benchmarks/vllm_bench_serve.py`: its `random` dataset, --input-len / --output-len tokens (128 / 64), `ignore_eos`,
+greedy, 4x the concurrency in requests and at least 8, the same prompts for every server; random prompts, so no
+server reuses a prompt), the load the serving targets name:
+
+    .venv/bin/python benchmarks/vs_vllm_serve.py --client vllm --servers goose,suffix --concurrency 1,4,8,16
+
 Writes OUT/vs_vllm_serve.json (everything, texts included) and OUT/vs_vllm_serve.md (the table: tokens/s,
 TTFT and TPOT p50/p95, errors, ratios against vLLM plain and vLLM's best speculative server at each level,
 and how many prompts' texts equal goose's). Not part of `make test` (minutes, and vLLM's venv).
@@ -119,12 +126,35 @@ def _run_server(name: str, args, prompts: list[str], concurrencies: list[int], l
         wait_ready(proc, port, args.start_timeout)
         print(f"[{name}] ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         url = f"http://127.0.0.1:{port}/v1"
+        if args.client == "vllm":  # vLLM's client makes its own warm-up request
+            return vllm_client_levels(name, url, args, concurrencies, log_dir)
         asyncio.run(bench(url, None, "none", [1], 1, prompts[:1], 8, {}, 0, 120, 0, name))  # warm-up
         return asyncio.run(bench(url, None, "none", concurrencies, args.requests, prompts, args.max_tokens, {}, 0,
                                  args.timeout, 0, name))
     finally:
         stop(proc)
         log.close()
+
+
+def vllm_client_levels(name: str, url: str, args, concurrencies: list[int], log_dir: Path) -> dict:
+    """Each level through `vllm bench serve` (`benchmarks/vllm_bench_serve.py`), in this script's result form."""
+    import vllm_bench_serve
+
+    opts = argparse.Namespace(base_url=url.removesuffix("/v1"), model=SERVED, tokenizer=str(model_dir(args.model)),
+                              num_prompts=args.requests, input_len=args.input_len, output_len=args.output_len,
+                              seed=0, label=name, vllm_python=args.vllm_python, out=log_dir, timeout=args.timeout)
+    levels, rows = [], []
+    for c in concurrencies:
+        r = vllm_bench_serve.run_level(opts, c)
+        ms = lambda key: None if r.get(key) is None else r[key] / 1e3  # noqa: E731
+        levels.append({"concurrency": c, "requests": r.get("completed"), "tok_s": r.get("output_throughput", 0.0),
+                       "errors": r.get("failed", r.get("num_prompts", 0) - r.get("completed", 0)),
+                       "ttft_p50": ms("median_ttft_ms"), "ttft_p95": ms("p95_ttft_ms"),
+                       "tpot_p50": ms("median_tpot_ms"), "tpot_p95": ms("p95_tpot_ms")})
+        rows.append(vllm_bench_serve.row(name, c, r))
+        print(f"  concurrency {c}: {levels[-1]['tok_s']:.1f} tok/s, {levels[-1]['errors']} failed", file=sys.stderr,
+              flush=True)
+    return {"levels": levels, "texts": {}, "table": "\n".join(rows)}
 
 
 def report(results: dict[str, dict], concurrencies: list[int], meta: dict) -> str:
@@ -141,13 +171,14 @@ def report(results: dict[str, dict], concurrencies: list[int], meta: dict) -> st
         for n, x in lv.items():
             ms = lambda v: "-" if v is None else f"{v * 1e3:.0f}"  # noqa: E731
             same = sum(1 for i, t in results[n]["texts"].items() if goose_texts.get(i) == t)
+            texts = f"{same}/{len(results[n]['texts'])}" if results[n]["texts"] else "-"  # (vLLM's client: none)
             tok_s = x["tok_s"]
             vs_plain = "-" if not plain else f"{tok_s / plain:.2f}x"
             vs_spec = "-" if not spec else f"{tok_s / spec:.2f}x"
             lines.append(
                 f"| {n} | {c} | {x['requests']} | {x['errors']} | {tok_s:.1f} | {vs_plain} | {vs_spec} | "
                 f"{ms(x['ttft_p50'])} / {ms(x['ttft_p95'])} | {ms(x['tpot_p50'])} / {ms(x['tpot_p95'])} | "
-                f"{same}/{len(results[n]['texts'])} |")
+                f"{texts} |")
     return "\n".join(lines) + "\n"
 
 
@@ -169,6 +200,10 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per level")
     ap.add_argument("--out", default=str(ROOT / "runs" / "vs_vllm_serve"))
+    ap.add_argument("--client", choices=["goose", "vllm"], default="goose",
+                    help="the load: goose's bench-serve client on --prompts (default), or `vllm bench serve`")
+    ap.add_argument("--input-len", type=int, default=128, help="--client vllm: random prompt tokens")
+    ap.add_argument("--output-len", type=int, default=64, help="--client vllm: output tokens (ignore_eos)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,7 +214,9 @@ def main() -> None:
         results[name] = run_server(name, args, prompts, concurrencies, out)
         print(results[name]["table"], file=sys.stderr, flush=True)
     meta = {"cpu": cpu_name(), "threads": args.threads, "prompts": len(prompts), "max_tokens": args.max_tokens,
-            "max_batch": args.max_batch, "servers": args.servers}
+            "max_batch": args.max_batch, "servers": args.servers, "client": args.client}
+    if args.client == "vllm":
+        meta["prompts"], meta["max_tokens"] = f"`vllm bench serve` random {args.input_len}-token", args.output_len
     (out / "vs_vllm_serve.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     md = report(results, concurrencies, meta)
     (out / "vs_vllm_serve.md").write_text(md)
