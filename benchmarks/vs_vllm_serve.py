@@ -2,7 +2,8 @@
 
 One server at a time on a loopback port (they would fight for the 2 cores otherwise): goose (device-aware
 `goose`), then vLLM plain, vLLM `ngram` (num_speculative_tokens 5, prompt_lookup 2..4) and vLLM `suffix`
-(arctic-inference), then goose once more (so drift of the machine over the run shows); by default every
+(arctic-inference), then goose once more (so drift of the machine over the run shows; a server named
+`goose-exact` runs `--arith exact`); by default every
 concurrency level on a fresh server (no prefix cache or answer memory carried from the previous level,
 whose prompts are the same). Each server gets
 `goose bench-serve`'s load (`goose.server.bench.bench`: streaming greedy chat requests through the `openai`
@@ -57,9 +58,10 @@ def free_port() -> int:
 
 def command(name: str, port: int, args) -> tuple[list[str], dict]:
     """The server's command line and environment."""
-    if name.startswith("goose"):
+    if name.startswith("goose"):  # goose-exact: `--arith exact` (float32's tokens); others: the default, auto
+        arith = ["--arith", "exact"] if name.endswith("-exact") else []
         return ([sys.executable, "-m", "goose", "serve", "--model", args.model, "--port", str(port),
-                 "--max-batch", str(args.max_batch), "--max-queue", "256"],
+                 "--max-batch", str(args.max_batch), "--max-queue", "256", *arith],
                 dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
     vpy = Path(args.vllm_python)
     if not vpy.is_file():
