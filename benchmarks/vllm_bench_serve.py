@@ -44,13 +44,17 @@ def run_level(args, c: int) -> dict:
     return json.loads((args.out / name).read_text())
 
 
+def failed(r: dict) -> int:
+    """Failed requests of a level's result (older clients report only the prompts and the completed ones)."""
+    return r.get("failed", r.get("num_prompts", 0) - r.get("completed", 0))
+
+
 def row(label: str, c: int, r: dict) -> str:
     def ms(key):
         v = r.get(key)
         return "-" if v is None else f"{v:.0f}"
 
-    failed = r.get("failed", r.get("num_prompts", 0) - r.get("completed", 0))
-    return (f"| {label} | {c} | {r.get('completed')} | {failed} | {ms('median_ttft_ms')} / {ms('p95_ttft_ms')} | "
+    return (f"| {label} | {c} | {r.get('completed')} | {failed(r)} | {ms('median_ttft_ms')} / {ms('p95_ttft_ms')} | "
             f"{ms('median_tpot_ms')} / {ms('p95_tpot_ms')} | {ms('median_itl_ms')} / {ms('p95_itl_ms')} | "
             f"{r.get('output_throughput', 0):.1f} | {r.get('request_throughput', 0):.2f} |")
 

@@ -3,9 +3,8 @@
 One server at a time on a loopback port (they would fight for the 2 cores otherwise): goose (device-aware
 `goose`), then vLLM plain, vLLM `ngram` (num_speculative_tokens 5, prompt_lookup 2..4) and vLLM `suffix`
 (arctic-inference), then goose once more (so drift of the machine over the run shows; a server named
-`goose-exact` runs `--arith exact`); by default every
-concurrency level on a fresh server (no prefix cache or answer memory carried from the previous level,
-whose prompts are the same). Each server gets
+`goose-exact` runs `--arith exact`); by default every concurrency level on a fresh server (no prefix cache or
+answer memory carried from the previous level, whose prompts are the same). Each server gets
 `goose bench-serve`'s load (`goose.server.bench.bench`: streaming greedy chat requests through the `openai`
 async client, concurrency levels one after the other, bounded in requests and time), after a warm-up
 request. vLLM runs from the venv `make vllm` builds, with its CPU build's preloads (tcmalloc, the venv's
@@ -150,7 +149,7 @@ def vllm_client_levels(name: str, url: str, args, concurrencies: list[int], log_
         r = vllm_bench_serve.run_level(opts, c)
         ms = lambda key: None if r.get(key) is None else r[key] / 1e3  # noqa: E731
         levels.append({"concurrency": c, "requests": r.get("completed"), "tok_s": r.get("output_throughput", 0.0),
-                       "errors": r.get("failed", r.get("num_prompts", 0) - r.get("completed", 0)),
+                       "errors": vllm_bench_serve.failed(r),
                        "ttft_p50": ms("median_ttft_ms"), "ttft_p95": ms("p95_ttft_ms"),
                        "tpot_p50": ms("median_tpot_ms"), "tpot_p95": ms("p95_tpot_ms")})
         rows.append(vllm_bench_serve.row(name, c, r))
