@@ -9,8 +9,9 @@ import torch
 
 from conftest import greedy_memo, make_tiny_llama
 from goose import Engine
+from goose.backends.cpukernel import claimed
 from goose.config import EngineConfig
-from goose.engine.threads import FIRST_PROBE_S, MAX_PROBE_S, PROBE_ROWS, PROBE_S, SHARED, ThreadGovernor
+from goose.engine.threads import FIRST_PROBE_S, MAX_PROBE_S, PROBE_ROWS, PROBE_S, SHARED, ThreadGovernor, on_threads
 
 DT = 2.0 ** -7  # seconds between forwards (exact in binary: probes fall on exact steps)
 
@@ -70,6 +71,25 @@ def test_quiet_contended_quiet(threads):
     assert ThreadGovernor(threads=2, clock=clock).threads == 1
     clock.now += 31  # too long ago: all threads again
     assert ThreadGovernor(threads=2, clock=clock).threads == 2
+
+
+def test_one_thread_runs_the_projections_on_the_claim_pool_of_all(threads):
+    """The one-thread setting (and `on_threads(1, ...)`) is one OpenMP thread whose projections run on the
+    kernels' claim pool of all the threads; all threads and `release` give OpenMP's team back."""
+    gov = ThreadGovernor(threads=2, clock=Clock())
+    gov.probe_s = float("inf")
+    gov.threads = 1
+    gov.before(4)
+    assert torch.get_num_threads() == 1 and claimed() == 2
+    gov.threads = 2
+    gov.before(4)
+    assert torch.get_num_threads() == 2 and claimed() == 0
+    gov.threads = 1
+    gov.before(4)
+    gov.release()
+    assert torch.get_num_threads() == 2 and claimed() == 0
+    assert on_threads(1, lambda: (torch.get_num_threads(), claimed())) == (1, 2)
+    assert (torch.get_num_threads(), claimed()) == (2, 0)
 
 
 def test_a_due_probe_waits_for_a_small_forward(threads):

@@ -439,8 +439,8 @@ inline void rows512(int r, const float* x, int64_t ldx, int64_t K, const float* 
 void linear512(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, int64_t panels,
                const float* bias, float* y, bool acc) {
   const int64_t tiles = (M + kTile512 - 1) / kTile512;
-#pragma omp parallel for schedule(static)
-  for (int64_t q = 0; q < (panels + 1) / 2; ++q) {
+#pragma omp parallel
+  team::each((panels + 1) / 2, [&](int64_t q) {
     const int64_t p0 = 2 * q;
     const bool two = p0 + 1 < panels;
     const int cols = panel_cols(N, two ? p0 + 1 : p0);
@@ -456,7 +456,7 @@ void linear512(const float* x, int64_t M, int64_t K, const float* packed, int64_
         t == 0 ? rows512<1, true>(r, xm, K, K, w, ym, N, cols, b, acc) : rows512<1, false>(r, xm, K, K, w, ym, N, cols, b, acc);
       m += r;
     }
-  }
+  });
 }
 
 // ---- the AVX-512 variant of the attention's inner loops ----
@@ -540,6 +540,11 @@ extern "C" {
 
 int goose_kernels_abi(void) { return 12; }
 
+// The calling thread's projections (`goose_linear`, and those of `goose_layers` on float32 panels) run on this
+// library's claim pool with `width` threads while its OpenMP regions have one thread (width <= 1: OpenMP's team;
+// team.h). The attention stays on OpenMP.
+void goose_kernels_claim(int width) { team::claim(width); }
+
 #ifdef __AVX512F__
 int goose_kernels_isa(void) { return 512; }
 #else
@@ -565,8 +570,8 @@ void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int
 #endif
   // Work items are pairs of adjacent panels, so the 1-2 rows left after the full 6-row tiles can run
   // over both panels at once (tile2).
-#pragma omp parallel for schedule(static)
-  for (int64_t q = 0; q < (panels + 1) / 2; ++q) {
+#pragma omp parallel
+  team::each((panels + 1) / 2, [&](int64_t q) {
     const int64_t p0 = 2 * q, last = p0 + 1 < panels ? p0 + 1 : p0;
     for (int64_t m = 0; m < M; m += kTile) {
       const int r = static_cast<int>(M - m < kTile ? M - m : kTile);
@@ -593,7 +598,7 @@ void goose_linear(const float* x, int64_t M, int64_t K, const float* packed, int
           rows<false>(r, xm, K, k, w, yp, N, cols, bp, acc);
       }
     }
-  }
+  });
 }
 
 

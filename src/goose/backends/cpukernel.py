@@ -47,6 +47,7 @@ import platform
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -73,6 +74,8 @@ ENV_SWITCH = "GOOSE_CPU_KERNEL"
 ENV_VARIANT = "GOOSE_KERNEL_VARIANT"
 
 _pause: dict[str, object] = {}  # libgomp's omp_pause_resource_all, once looked up (False: none)
+_CLAIMS: list = []  # every loaded kernel library's `<prefix>_claim(width)` (team.h), in load order
+_claimed = threading.local()  # .width: what `claim_threads` last set on this thread
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -178,6 +181,23 @@ def release_thread_team() -> bool:
         _pause["fn"] = fn
     fn = _pause["fn"]
     return bool(fn) and fn(2) == 0  # 2 = omp_pause_hard: the team's threads exit
+
+
+def claim_threads(width: int) -> None:
+    """The calling thread's projections, in every kernel library loaded so far, run on the library's claim pool
+    with `width` threads (width <= 1: on torch's OpenMP team; team.h): the caller and width - 1 worker threads
+    take blocks of a projection's panels from one counter, and the caller does the blocks no running thread took,
+    so a worker the scheduler took off its core holds a projection up only while it holds a block (an OpenMP team
+    waits for it at every region). Used while torch runs the thread's regions on one thread (`engine.threads`):
+    the pool serves regions of one thread only. The bits do not depend on it."""
+    for claim in _CLAIMS:
+        claim(int(width))
+    _claimed.width = int(width) if width > 1 else 0
+
+
+def claimed() -> int:
+    """The claim pool's width `claim_threads` last set for the calling thread (0: OpenMP's team)."""
+    return getattr(_claimed, "width", 0)
 
 
 class CpuKernels:
@@ -730,6 +750,9 @@ class KernelLibrary:
             return None, f"{path} is not this version of the kernel"
         if self.ready is not None and not lib[self.ready]():
             return None, f"the {variant} variant cannot run here: Linux refused the AMX tile state (arch_prctl)"
+        claim = lib[f"{self.prefix}_claim"]
+        claim.restype, claim.argtypes = None, [ctypes.c_int]
+        _CLAIMS.append(claim)
         return self.wrap(lib, path, variant), None
 
     def _no_variant_reason(self) -> str:

@@ -523,14 +523,13 @@ inline void rows(int r, const Act& a, int64_t m0, int64_t K, const uint8_t* w, f
 template <typename Run>
 void each_tile(int64_t M, int64_t N, int tile, const Run& run) {
   const int64_t panels = (N + kCols - 1) / kCols, tiles = (M + tile - 1) / tile;
-#pragma omp for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
+  team::each(panels, [&](int64_t p) {
     const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
     for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
       r = (M - m) / (tiles - i);
       run(static_cast<int>(r), m, p, cols);
     }
-  }
+  });
 }
 
 // The plain AVX2 build (vpmaddubsw, no VNNI) has two more arrangements of the same arithmetic, below.
@@ -570,8 +569,30 @@ constexpr int panel_vecs() {
 // Scratch of one panel: group g's operands at w + g * panel_vecs, its 16 scales at s + 16 g, offsets (Q4_1,
 // Q4_K) at o + 16 g.
 struct PanelScratch {
-  __m256i* w;
-  float *s, *o;
+  __m256i* w = nullptr;
+  float *s = nullptr, *o = nullptr;
+  int64_t vecs = 0, groups = 0;  // what w and s, o hold room for
+
+  // room for `groups_` groups of `nv` vectors: a thread's scratch grows to the largest call it ran, then is reused
+  void reserve(int64_t groups_, int nv) {
+    if (groups_ * nv > vecs) {
+      free(w);
+      vecs = groups_ * nv;
+      w = static_cast<__m256i*>(aligned_alloc(32, vecs * sizeof(__m256i)));
+    }
+    if (groups_ > groups) {
+      groups = groups_;
+      free(s);
+      free(o);
+      s = static_cast<float*>(aligned_alloc(32, groups * 16 * sizeof(float)));
+      o = static_cast<float*>(aligned_alloc(32, groups * 16 * sizeof(float)));
+    }
+  }
+  ~PanelScratch() {
+    free(w);
+    free(s);
+    free(o);
+  }
 };
 
 template <int F>
@@ -680,35 +701,27 @@ void linear_panels(const Act& a, int64_t M, int64_t K, const uint8_t* packed, in
   const int64_t pbytes = groups * group_bytes(F);
   const int64_t tiles = (M + kPanelTile - 1) / kPanelTile;  // rows spread evenly over the fewest tiles
 #pragma omp parallel
-  {
-    PanelScratch ps;
-    ps.w = static_cast<__m256i*>(aligned_alloc(32, groups * NV * sizeof(__m256i)));
-    ps.s = static_cast<float*>(aligned_alloc(32, groups * 16 * sizeof(float)));
-    ps.o = has_offset(F) ? static_cast<float*>(aligned_alloc(32, groups * 16 * sizeof(float))) : nullptr;
-#pragma omp for schedule(static)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
-      const uint8_t* w = packed + p * pbytes;
-      panel_unpack<F>(w, groups, ps);
-      if (p + 1 < panels)  // the next panel's weights arrive in L2 while this one computes (L1 holds the scratch)
-        for (int64_t off = 0; off < pbytes; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(w + pbytes + off), _MM_HINT_T1);
-      const float* b = bias ? bias + p * kCols : nullptr;
-      for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
-        r = (M - m) / (tiles - i);
-        float* yp = y + m * N + p * kCols;
-        switch (r) {
-          case 4: panel_tile<F, 4>(a, m, groups, ps, yp, N, cols, b, acc); break;
-          case 3: panel_tile<F, 3>(a, m, groups, ps, yp, N, cols, b, acc); break;
-          case 2: panel_tile<F, 2>(a, m, groups, ps, yp, N, cols, b, acc); break;
-          default: panel_tile<F, 1>(a, m, groups, ps, yp, N, cols, b, acc); break;
-        }
+  team::each(panels, [&](int64_t p) {
+    thread_local PanelScratch ps;  // the running thread's, grown as needed
+    ps.reserve(groups, NV);
+    const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
+    const uint8_t* w = packed + p * pbytes;
+    panel_unpack<F>(w, groups, ps);
+    if (p + 1 < panels)  // the next panel's weights arrive in L2 while this one computes (L1 holds the scratch)
+      for (int64_t off = 0; off < pbytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w + pbytes + off), _MM_HINT_T1);
+    const float* b = bias ? bias + p * kCols : nullptr;
+    for (int64_t m = 0, i = 0, r = 0; m < M; m += r, ++i) {
+      r = (M - m) / (tiles - i);
+      float* yp = y + m * N + p * kCols;
+      switch (r) {
+        case 4: panel_tile<F, 4>(a, m, groups, ps, yp, N, cols, b, acc); break;
+        case 3: panel_tile<F, 3>(a, m, groups, ps, yp, N, cols, b, acc); break;
+        case 2: panel_tile<F, 2>(a, m, groups, ps, yp, N, cols, b, acc); break;
+        default: panel_tile<F, 1>(a, m, groups, ps, yp, N, cols, b, acc); break;
       }
     }
-    free(ps.w);
-    free(ps.s);
-    free(ps.o);
-  }
+  });
 }
 
 // ---- AVX2, nibble formats, calls of fewer than panel_rows<F>() rows: pairs of byte rows, no transpose ----
@@ -972,17 +985,16 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
   size_act<F>(M, K, a);
   if ((norm || gated) && static_cast<int64_t>(buf.size()) < M * K) buf.resize(M * K);
   float* const in = buf.data();
-  const int64_t step = input_step(M, omp_get_max_threads()), ranges = (M + step - 1) / step;
+  const int64_t step = input_step(M, team::threads()), ranges = (M + step - 1) / step;
   // each thread's share of the rows: in(x), quantized (and, for the pairs below, expanded by the same thread)
   auto inputs = [&](bool offset8, PairAct* e = nullptr) {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < ranges; ++i) {
+    team::each(ranges, [&](int64_t i) {
       const int64_t m0 = i * step, m1 = (i + 1) * step < M ? (i + 1) * step : M;
       input_rows<F>(x, m0, m1, K, norm, eps, gated, in, a, offset8);
 #if GOOSE_MADDUBS
       if (e) expand_pairs(a, m0, m1, *e);
 #endif
-    }
+    });
   };
 #if GOOSE_AMX
   if (M >= kAmxRows) {
@@ -1028,6 +1040,10 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
 extern "C" {
 
 int goose_int8_abi(void) { return 1; }
+
+// The calling thread's projections run on this library's claim pool with `width` threads while its OpenMP
+// regions have one thread (width <= 1: OpenMP's team; team.h). The AMX path stays on OpenMP.
+void goose_int8_claim(int width) { team::claim(width); }
 
 // 1 when this library's variant can run here: the AMX variant asks Linux for the tile data state first
 // (arch_prctl ARCH_REQ_XCOMP_PERM, once per process); 0 when refused.

@@ -10,6 +10,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "team.h"  // team::each: the parallel loops (OpenMP's worksharing, or a claim pool)
+
 namespace {
 
 // The RMSNorm of R consecutive rows of x [R, K] into out [R, K]: each row's sum of squares is its own chain over
@@ -44,27 +46,26 @@ inline void rms_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const fl
   }
 }
 
-// `prepare` by the threads of the enclosing parallel region (a worksharing loop, so it ends at a barrier): they
+// `prepare` by the threads of the enclosing parallel region (`team::each`, so every row is done on return): they
 // split rows (a gated row's values in chunks of 256, RMSNorm rows kNormRows at a time); every value is computed
 // as written, whichever thread computes it.
 inline void prepare_team(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {
   if (gated) {
     const int64_t chunks = (K + 255) / 256;
-#pragma omp for collapse(2) schedule(static)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = 0; c < chunks; ++c) {
-        float* o = buf + m * K;
-        const float* g = x + m * 2 * K;
-        const float* u = g + K;
-        const int64_t end = (c + 1) * 256 < K ? (c + 1) * 256 : K;
-        for (int64_t k = c * 256; k < end; ++k) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
-      }
+    team::each(M * chunks, [&](int64_t i) {
+      const int64_t m = i / chunks, c = i % chunks;
+      float* o = buf + m * K;
+      const float* g = x + m * 2 * K;
+      const float* u = g + K;
+      const int64_t end = (c + 1) * 256 < K ? (c + 1) * 256 : K;
+      for (int64_t k = c * 256; k < end; ++k) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
+    });
     return;
   }
   const int64_t tiles = (M + kNormRows - 1) / kNormRows;
-#pragma omp for schedule(static)
-  for (int64_t t = 0; t < tiles; ++t)
+  team::each(tiles, [&](int64_t t) {
     rms_rows(x, t * kNormRows, (t + 1) * kNormRows < M ? (t + 1) * kNormRows : M, K, norm, eps, buf);
+  });
 }
 
 inline void prepare(const float* x, int64_t M, int64_t K, const float* norm, float eps, int gated, float* buf) {

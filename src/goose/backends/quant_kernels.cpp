@@ -291,8 +291,7 @@ void linear_few(const float* x, int64_t M, int64_t K, const uint8_t* packed, int
                 bool acc) {
   const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
-#pragma omp for schedule(static)
-  for (int64_t item = 0; item < (panels + 3) / 4; ++item) {
+  team::each((panels + 3) / 4, [&](int64_t item) {
     const int64_t p0 = 4 * item, np = panels - p0 < 4 ? panels - p0 : 4;
     const uint8_t* w[4];
     int cols[4];
@@ -304,7 +303,7 @@ void linear_few(const float* x, int64_t M, int64_t K, const uint8_t* packed, int
       b[t] = bias ? bias + p * kCols : nullptr;
     }
     few_rows<F, true>(static_cast<int>(M), static_cast<int>(np), x, K, w, y + p0 * kCols, N, cols, b, acc);
-  }
+  });
 }
 
 template <int F>
@@ -316,8 +315,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
   }
   const int64_t panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = K / kInfo[F].group * group_bytes(F);
-#pragma omp for schedule(static)
-  for (int64_t item = 0; item < (panels + 1) / 2; ++item) {
+  team::each((panels + 1) / 2, [&](int64_t item) {
     const int64_t p0 = 2 * item, np = p0 + 1 < panels ? 2 : 1;
     const uint8_t* w[2] = {packed + p0 * pbytes, packed + (p0 + np - 1) * pbytes};
     int cols[2];
@@ -346,7 +344,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t
           rows<F, 1, false>(static_cast<int>(r), xm, K, K, w + t, ym + t * kCols, N, cols + t, b + t, acc);
       }
     }
-  }
+  });
 }
 
 // ---- packing: GGUF rows -> panels ----
@@ -466,6 +464,10 @@ inline float weight_at(int f, const uint8_t* grp, int c, int t) {
 extern "C" {
 
 int goose_quant_abi(void) { return 1; }
+
+// The calling thread's projections run on this library's claim pool with `width` threads while its OpenMP
+// regions have one thread (width <= 1: OpenMP's team; team.h).
+void goose_quant_claim(int width) { team::claim(width); }
 
 #ifdef __AVX512F__
 int goose_quant_isa(void) { return 512; }

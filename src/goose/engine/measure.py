@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import cachefs
-from ..backends.cpukernel import source_text
+from ..backends.cpukernel import claimed, source_text
 from ..backends.tree_tensors import ancestor_mask, tree_depths
 from ..drafting.tree import BRANCH, DraftTree
 from ..machine import cpu_identity
@@ -64,12 +64,13 @@ def kernels_digest() -> str:
 
 
 def curve_key(model, forward) -> str:
-    """Identifies what the curve depends on: model shape, dtype, device, the CPU (`cpu_identity`), threads,
-    forward backend and goose's kernel sources."""
+    """Identifies what the curve depends on: model shape, dtype, device, the CPU (`cpu_identity`), threads (and
+    the kernels' claim pool), forward backend and goose's kernel sources."""
     cfg = model.config
     parts = [getattr(cfg, "model_type", "?"), getattr(cfg, "_name_or_path", ""),
              str(sum(p.numel() for p in model.parameters())), str(next(model.parameters()).dtype),
              str(next(model.parameters()).device), cpu_identity(), f"threads={torch.get_num_threads()}",
+             f"claim={claimed()}",
              type(forward).__name__, forward.backend, f"protocol={PROTOCOL}", f"kernels={kernels_digest()}"]
     digest = hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
     return f"{parts[0]}-{digest}"

@@ -8,7 +8,7 @@ again, and a forward becomes tens of times slower (measured: `ar` fell from 128 
 
 `ThreadGovernor` measures instead of guessing: the loop runs its forwards on all threads (`torch`'s count when
 the governor was made), and `FIRST_PROBE_S` seconds after it starts, then every `PROBE_S` seconds, it runs one
-forward on the other setting (one thread, or all of them again) as a probe: the next forward of
+forward on the other setting ("one thread", or all of them again) as a probe: the next forward of
 at most `PROBE_ROWS` query rows (a prompt chunk of hundreds of rows on one thread would cost a quiet machine a
 forward's time again: measured 507 against 183 ms for 188 prompt rows in int8 on a Zen 3 core pair). A probe faster
 than `SWITCH` times the median of the current setting's recent forwards of the same size (rows, in powers of
@@ -33,7 +33,17 @@ gets all threads back as before. Measured on a Zen 1 (2 cores) beside 2 busy pro
 quiet 2-thread speed, 0.15-0.26x with the probes and the medians alone. A share alone does not move the loop: a
 server's load client on the same 2 cores (Zen 3, 16 streams) brought all threads' share to 0.78-0.80 with 8-row
 forwards as fast as on one thread and prompt chunks twice as fast (519 rows: 1167 ms on one thread); moving to one
-thread there cost a third of the server's throughput."""
+thread there cost a third of the server's throughput.
+
+"One thread" is one OpenMP thread whose projections (most of a forward's work) run on the kernels' claim pool
+of all the threads (`cpukernel.claim_threads`, team.h): the calling thread and the pool's workers take blocks
+of a projection's panels from one counter and the caller does whatever no running thread took, so a worker the
+scheduler took off its core holds a projection up only while it holds a block, never at a barrier; attention
+and torch's own operations run on the loop's thread alone. Measured on a Zen 3 (2 cores, 96 tokens x 2
+prompts, `ar` / `goose`, tokens/s; OpenMP on one thread against the pool): beside 2 busy processes exact 35.5 /
+34.6 against 44.7 / 43.2 and int8 45.2 / 44.8 against 71.9 / 65.9 in another run; beside 1 busy process 53.3 /
+45.7 against 53.6 / 57.3 (exact) and 69.6 / 71.0 against 69.3 / 70.9 (int8). On a quiet machine all threads on
+OpenMP stay faster for `goose` (the pool 0.84-0.91x), so the setting is only for a contended CPU."""
 
 from __future__ import annotations
 
@@ -41,6 +51,8 @@ import time
 from collections import deque
 
 import torch
+
+from ..backends.cpukernel import claim_threads, claimed
 
 PROBE_S = 2.0  # seconds between probes of the other thread setting
 FIRST_PROBE_S = 0.25  # a new governor's first probe comes this soon (a busy machine is found at once)
@@ -81,6 +93,7 @@ class ThreadGovernor:
         self._share: deque = deque(maxlen=RECENT)  # the current setting's recent forwards' CPU time over wall time
         self._probing = False
         self.probed = False  # the last forward was a probe (on the other setting)
+        self._claim = 0  # the claim pool's width this governor set for its thread (0: OpenMP's team)
 
     @property
     def enabled(self) -> bool:
@@ -96,9 +109,16 @@ class ThreadGovernor:
         self._probing = rows <= PROBE_ROWS and (since >= wait or self._due and since >= FIRST_PROBE_S)
         if self._probing and self.threads == 1 and self.shared():
             self._probing, self._last_probe = False, self.clock()  # all threads would lose: the same wait again
-        want = self.other if self._probing else self.threads
-        if torch.get_num_threads() != want:
-            torch.set_num_threads(want)
+        self._apply(self.other if self._probing else self.threads)
+
+    def _apply(self, threads: int) -> None:
+        """torch's threads for this thread's next forward; on one, the projections on the kernels' claim pool."""
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        claim = self.full if threads == 1 else 0
+        if claim != self._claim:
+            claim_threads(claim)
+            self._claim = claim
 
     def shared(self) -> bool:
         """Whether the current setting's recent forwards shared the loop's core with another process (`SHARED`)."""
@@ -143,9 +163,10 @@ class ThreadGovernor:
         ThreadGovernor._chosen = (self.threads, now, 0)
 
     def release(self) -> None:
-        """Give the calling thread its full thread count back (the setting is kept for the next forward)."""
-        if self.enabled and torch.get_num_threads() != self.full:
-            torch.set_num_threads(self.full)
+        """Give the calling thread its full thread count back, its projections on OpenMP's team (the setting is
+        kept for the next forward)."""
+        if self.enabled:
+            self._apply(self.full)
 
     @property
     def other(self) -> int:
@@ -153,10 +174,14 @@ class ThreadGovernor:
 
 
 def on_threads(n: int, fn):
-    """`fn()` with torch's parallel regions on `n` threads; the calling thread's count is restored after."""
-    before = torch.get_num_threads()
+    """`fn()` with torch's parallel regions on `n` threads, as a governor's setting runs them: on one thread of a
+    caller with more, the projections on the kernels' claim pool of the caller's count; the calling thread's
+    count and pool are restored after."""
+    before, claim = torch.get_num_threads(), claimed()
     torch.set_num_threads(n)
+    claim_threads(before if n == 1 < before else 0)
     try:
         return fn()
     finally:
         torch.set_num_threads(before)
+        claim_threads(claim)
