@@ -96,14 +96,13 @@ int main(int argc, char** argv) {
   const int64_t shapes[][2] = {{16, 500}, {16, 5000}, {64, 500}, {64, 5000}};
   printf("| busy processes | chunks x iterations | one thread jobs/s | OpenMP team of 2 | claim pool of 2 |\n");
   printf("|---|---|---|---|---|\n");
-  ClaimPool pool(20000);
+  ClaimPool pool(200);  // (team.h's kSpin)
   for (int busy = 0; busy <= 2; ++busy) {
     std::vector<pid_t> pids;
     for (int b = 0; b < busy; ++b) {
       const pid_t pid = fork();
       if (pid == 0)
-        for (volatile uint64_t i = 0;; ++i) {
-        }
+        for (;;) asm volatile("");  // a busy process
       pids.push_back(pid);
     }
     usleep(300000);

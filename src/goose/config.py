@@ -405,11 +405,12 @@ class EngineConfig:
     # the engine starts, so no request waits for a method's preparation or cost curve. None: any method,
     # each prepared when a request first names it
     methods: tuple[str, ...] | None = None
-    # the step loop's forwards move to one thread while that is faster (other processes hold the cores: an
-    # OpenMP team then waits for descheduled threads at every parallel region) and back once it is not, as
-    # measured by a probe forward of at most 16 query rows on the other setting (2 s after the last, each probe
-    # that does not switch doubling the wait up to 32 s; at once when a forward on all threads runs 1.5x slower
-    # than usual; `goose.engine.threads`); False: torch's threads as set
+    # the step loop's forwards move to one thread, whose projections run on the kernels' claim pool (team.h), while
+    # that is faster (other processes hold the cores: an OpenMP team then waits for descheduled threads at every
+    # parallel region) and back once it is not, as measured by a probe forward of at most 16 query rows on the
+    # other setting (2 s after the last, each probe that does not switch doubling the wait up to 32 s; at once
+    # when a forward on all threads runs 1.5x slower than usual; `goose.engine.threads`); False: torch's threads
+    # as set
     adapt_threads: bool = True
 
     def __post_init__(self) -> None:

@@ -700,10 +700,7 @@ void linear_panels(const Act& a, int64_t M, int64_t K, const uint8_t* packed, in
   const int64_t groups = K / kInfo[F].group, panels = (N + kCols - 1) / kCols;
   const int64_t pbytes = groups * group_bytes(F);
   const int64_t tiles = (M + kPanelTile - 1) / kPanelTile;  // rows spread evenly over the fewest tiles
-#pragma omp parallel
-  team::each(panels, [&](int64_t p) {
-    thread_local PanelScratch ps;  // the running thread's, grown as needed
-    ps.reserve(groups, NV);
+  auto panel = [&](int64_t p, const PanelScratch& ps) {
     const int cols = static_cast<int>(N - p * kCols < kCols ? N - p * kCols : kCols);
     const uint8_t* w = packed + p * pbytes;
     panel_unpack<F>(w, groups, ps);
@@ -721,7 +718,19 @@ void linear_panels(const Act& a, int64_t M, int64_t K, const uint8_t* packed, in
         default: panel_tile<F, 1>(a, m, groups, ps, yp, N, cols, b, acc); break;
       }
     }
-  });
+  };
+#pragma omp parallel
+  {
+    PanelScratch mine;  // this thread's of OpenMP's team
+    const bool pooled = team::pooled();
+    if (!pooled) mine.reserve(groups, NV);
+    team::each(panels, [&](int64_t p) {
+      if (!pooled) return panel(p, mine);
+      thread_local PanelScratch ps;  // on the claim pool: the running thread's, grown as needed
+      ps.reserve(groups, NV);
+      panel(p, ps);
+    });
+  }
 }
 
 // ---- AVX2, nibble formats, calls of fewer than panel_rows<F>() rows: pairs of byte rows, no transpose ----

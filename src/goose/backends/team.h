@@ -127,10 +127,13 @@ inline void claim(int width) {
 // The threads a loop of this thread's next region is split over (for sizing work: the bits do not depend on it).
 inline int threads() { return tl_width > 1 ? tl_width : omp_get_max_threads(); }
 
+// Whether `each` called here may run its body on the claim pool's threads (whose scratch is their own).
+inline bool pooled() { return tl_width > 1 && omp_get_num_threads() == 1; }
+
 // body(i) for i in [0, n): see the top. Called by every thread of an enclosing parallel region (or outside one).
 template <typename Body>
 inline void each(int64_t n, const Body& body) {
-  if (tl_width > 1 && n > 1 && n < kMaxItems && omp_get_num_threads() == 1) {
+  if (n > 1 && n < kMaxItems && pooled()) {
     const int64_t grain = n / (4 * tl_width) > 1 ? n / (4 * tl_width) : 1;  // ~4 blocks a thread
     auto run = [](const void* ctx, int64_t b, int64_t e) {
       const Body& f = *static_cast<const Body*>(ctx);
