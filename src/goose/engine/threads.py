@@ -39,11 +39,12 @@ thread there cost a third of the server's throughput.
 of all the threads (`cpukernel.claim_threads`, team.h): the calling thread and the pool's workers take blocks
 of a projection's panels from one counter and the caller does whatever no running thread took, so a worker the
 scheduler took off its core holds a projection up only while it holds a block, never at a barrier; attention
-and torch's own operations run on the loop's thread alone. Measured on a Zen 3 (2 cores, 96 tokens x 2
-prompts, `ar` / `goose`, tokens/s; OpenMP on one thread against the pool): beside 2 busy processes exact 35.5 /
-34.6 against 44.7 / 43.2 and int8 45.2 / 44.8 against 71.9 / 65.9 in another run; beside 1 busy process 53.3 /
-45.7 against 53.6 / 57.3 (exact) and 69.6 / 71.0 against 69.3 / 70.9 (int8). On a quiet machine all threads on
-OpenMP stay faster for `goose` (the pool 0.84-0.91x), so the setting is only for a contended CPU."""
+and torch's own operations run on the loop's thread alone. Measured on a Zen 3 (2 cores; `benchmarks/contended.py
+--fixed`, 96 tokens x 2 prompts, `ar` / `goose`, tokens/s, one OpenMP thread against the pool): beside 2 busy
+processes exact 27.2 / 24.4 against 30.1 / 38.3, int8 43.7 / 43.5 against 66.3 / 57.1; beside 1 busy process
+exact 43.8 / 45.7 against 49.2 / 47.3, int8 82.2 / 73.0 against 81.2 / 74.4. On a quiet machine the pool ran
+0.71-1.07x of all threads on OpenMP (exact 56.8 / 53.2 against 68.1 / 66.7), and a probe moves the loop there only
+when it is faster by the margin of `SWITCH`."""
 
 from __future__ import annotations
 
