@@ -94,7 +94,6 @@ class ThreadGovernor:
         self._share: deque = deque(maxlen=RECENT)  # the current setting's recent forwards' CPU time over wall time
         self._probing = False
         self.probed = False  # the last forward was a probe (on the other setting)
-        self._claim = 0  # the claim pool's width this governor set for its thread (0: OpenMP's team)
 
     @property
     def enabled(self) -> bool:
@@ -117,9 +116,8 @@ class ThreadGovernor:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         claim = self.full if threads == 1 else 0
-        if claim != self._claim:
+        if claim != claimed():  # (the calling thread's: an engine driven on its callers' threads meets several)
             claim_threads(claim)
-            self._claim = claim
 
     def shared(self) -> bool:
         """Whether the current setting's recent forwards shared the loop's core with another process (`SHARED`)."""
