@@ -30,8 +30,8 @@ def speed(model, tok, method: str, setting: str, n: int) -> tuple[float, list]:
     """tokens/s and outputs of `method` with the governor (`on`), without (`off`), or fixed on one OpenMP thread
     (`one`) or on one with the claim pool (`pool`)."""
     settings = EngineConfig(max_batch=1, prefix_cache_mb=0, memory_mb=0, adapt_threads=setting == "on")
-    run = (lambda fn: fn()) if setting in ("on", "off") else \
-        (lambda fn: on_threads(1, fn) if setting == "pool" else one_thread(fn))
+    run = {"on": lambda fn: fn(), "off": lambda fn: fn(), "one": one_thread,
+           "pool": lambda fn: on_threads(1, fn)}[setting]
     with Engine(model, tok, method, engine_config=settings, thread=False) as eng:
         def drive():
             outs, tokens, t0 = [], 0, time.perf_counter()

@@ -73,7 +73,7 @@ def test_projections_have_the_same_bits_on_the_claim_pool(fmt, m, n, fused, seed
 
 @needs_all
 def test_two_callers_share_a_pool_and_keep_their_bits():
-    """Two threads on the claim pool at once: one holds the pool, the other computes alone; both get every
+    """Three threads on the claim pool at once: one holds the pool, the others compute alone; all get every
     projection's bits."""
     k, n = 512, 3000
     weights = _weights("Q4_1", n, k, 5)

@@ -74,7 +74,7 @@ ENV_SWITCH = "GOOSE_CPU_KERNEL"
 ENV_VARIANT = "GOOSE_KERNEL_VARIANT"
 
 _pause: dict[str, object] = {}  # libgomp's omp_pause_resource_all, once looked up (False: none)
-_CLAIMS: list = []  # every loaded kernel library's `<prefix>_claim(width)` (team.h), in load order
+_CLAIMS: dict = {}  # library path -> its `<prefix>_claim(width)` (team.h), once per library however often loaded
 _claimed = threading.local()  # .width: what `claim_threads` last set on this thread
 
 
@@ -190,7 +190,7 @@ def claim_threads(width: int) -> None:
     so a worker the scheduler took off its core holds a projection up only while it holds a block (an OpenMP team
     waits for it at every region). Used while torch runs the thread's regions on one thread (`engine.threads`):
     the pool serves regions of one thread only. The bits do not depend on it."""
-    for claim in _CLAIMS:
+    for claim in _CLAIMS.values():
         claim(int(width))
     _claimed.width = int(width) if width > 1 else 0
 
@@ -752,7 +752,7 @@ class KernelLibrary:
             return None, f"the {variant} variant cannot run here: Linux refused the AMX tile state (arch_prctl)"
         claim = lib[f"{self.prefix}_claim"]
         claim.restype, claim.argtypes = None, [ctypes.c_int]
-        _CLAIMS.append(claim)
+        _CLAIMS[str(path)] = claim
         return self.wrap(lib, path, variant), None
 
     def _no_variant_reason(self) -> str:
