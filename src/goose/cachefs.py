@@ -122,10 +122,24 @@ def make_dirs(folder: Path) -> None:
                 os.mkdir(p, 0o700)
 
 
-def open_new(path: Path):
-    """A new file `path` opened for binary writing, mode 0644 at most (never a link, never an existing file)."""
+def open_new(path: Path, mode: int = 0o644):
+    """A new file `path` opened for binary writing, `mode` at most (never a link, never an existing file)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.fdopen(os.open(path, flags, 0o644), "wb")
+    return os.fdopen(os.open(path, flags, mode), "wb")
+
+
+def private_dirs(folder: Path) -> None:
+    """Create `folder` and its missing parents with mode 0700 (whatever the umask: it only takes bits away)."""
+    folder = Path(folder)
+    for p in reversed([folder, *folder.parents]):
+        if not p.exists():
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(p, 0o700)
+
+
+def refuse_unsafe(path: Path) -> None:
+    """`UnsafeCache` when `path` (not followed) is a link, another user's, or writable by group or others."""
+    _refuse_unsafe(Path(path), Path(path).lstat())
 
 
 # ---- locks and atomic writes ----------------------------------------------------------------------------

@@ -294,12 +294,25 @@ class MemoryPool:
         `goose.drafting.snapshot.write_snapshot` writes. A copy: the pool may change once it returns."""
         return [(name, [seq.tokens.tobytes() for seq in mem._seqs.values()]) for name, mem in self._tenants.items()]
 
-    def restore(self, tenants: list[tuple[str, list[list[int]]]]) -> None:
+    def restore(self, tenants: list[tuple[str, Sequence[Sequence[int]]]]) -> None:
         """Insert `tenants`' sequences in order (as `export` lists them): the same tenants and sequences, in the
         same order of eviction, as far as this pool's budget holds them."""
         for name, seqs in tenants:
             for tokens in seqs:
                 self.insert(name, tokens)
+
+    def empty_like(self) -> "MemoryPool":
+        """A new empty pool with this one's budget, k-gram settings and cap on tenants."""
+        return MemoryPool(self.max_bytes, self.cfg, self.max_tenants)
+
+    def absorb(self, newer: "MemoryPool") -> None:
+        """Insert every sequence of `newer` after this pool's own (so they are the most recently used, in
+        `newer`'s order), then clear `newer`: how a pool restored off the step loop's thread takes in what the
+        live pool learned meanwhile (`Engine.restore_memories`)."""
+        for name, mem in list(newer._tenants.items()):
+            for seq in list(mem._seqs.values()):
+                self.insert(name, seq.tokens)
+        newer.clear()
 
     def _drop(self, tenant: str) -> None:
         mem = self._tenants.pop(tenant)

@@ -484,14 +484,22 @@ class Engine:
         """A copy of the suffix memories, every tenant's sequences (`MemoryPool.export`), taken between steps."""
         return self.call(self.memories.export, timeout)
 
-    def restore_memories(self, tenants: list[tuple[str, list[list[int]]]], timeout: float | None = None) -> None:
-        """Insert `tenants`' sequences (`MemoryPool.restore`: as `export_memories` lists them) between steps."""
+    def restore_memories(self, tenants: list[tuple[str, list]], timeout: float | None = None) -> None:
+        """Restore `tenants`' sequences (`MemoryPool.restore`: as `export_memories` lists them) as the oldest
+        memories. The pool is rebuilt on the calling thread (the step loop goes on meanwhile: a large snapshot
+        stalls no request), then, between two steps, what the engine's pool learned meanwhile is inserted after
+        it as the most recently used and the rebuilt pool takes its place. `timeout` bounds the wait for the
+        loop's thread only, not the rebuild."""
+        restored = self.memories.empty_like()
+        restored.restore(tenants)
 
-        def restore() -> None:
-            self.memories.restore(tenants)
+        def swap() -> None:
+            restored.absorb(self.memories)
+            self.memories = restored
+            self._memory_changed = True
             self._report_memory(time.monotonic())
 
-        self.call(restore, timeout)
+        self.call(swap, timeout)
 
     def _run_calls(self) -> None:
         """Run the calls queued by `call` (on the loop's thread)."""

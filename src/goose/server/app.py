@@ -261,6 +261,7 @@ class Serving:
         self.idle_at = time.monotonic()  # when the watcher last saw the engine with no request
         self.started_engines: list = []  # engines this server built (it closes them)
         self.snapshots = None  # the suffix memories' snapshot file (`create_app`'s `snapshots`)
+        self._background: set = set()  # tasks of `background` still running
         tok = engine.tokenizer
         self.tok = tok
         self.decode = text_decoder(tok)
@@ -339,6 +340,20 @@ class Serving:
         self.engine, self.restarts, self.restarting = new, self.restarts + 1, False
         self.idle_at = time.monotonic()
         await asyncio.to_thread(old.close, 0)
+        if self.snapshots is not None and not self.snapshots.held_elsewhere:
+            # the failed engine's memories to the file, then into the new engine (which serves meanwhile)
+            self.background(asyncio.to_thread(self.snapshots.carry, old, new))
+
+    def background(self, work) -> None:
+        """Run the awaitable `work` as a task of the server's own (awaited by `settled`); its failure is logged."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def settled(self) -> None:
+        """Wait for the server's background work (`background`) to end."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     # ---- access --------------------------------------------------------------------------------------
     def authorized(self, request: Request) -> None:
@@ -677,20 +692,24 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, api_keys:
 
     @asynccontextmanager
     async def lifespan(app):
-        if snapshots is not None:
-            await asyncio.to_thread(snapshots.load, srv.engine)
         tasks = [asyncio.create_task(srv.watch())]
-        if snapshots is not None:
+        if snapshots is not None and await asyncio.to_thread(snapshots.acquire):
+            # loaded while the server already serves: the memories learned meanwhile are kept, as the newest
+            srv.background(asyncio.to_thread(snapshots.load, srv.engine))
             tasks.append(asyncio.create_task(snapshots.run(lambda: srv.engine)))
         try:
             yield
         finally:
             for task in tasks:
                 task.cancel()
+            if snapshots is not None:
+                await snapshots.finished()  # a periodic save still running lands before the final one
             if close_engine or srv.engine is not engine:
                 await asyncio.to_thread(srv.engine.close, drain_timeout)
             if snapshots is not None:  # (after the drain: the finished requests' text is in it)
+                await srv.settled()
                 await asyncio.to_thread(snapshots.save, srv.engine, True)
+                snapshots.release()
 
     app = FastAPI(title="goose", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving, app.state.metrics = srv, srv.metrics
