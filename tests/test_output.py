@@ -105,3 +105,51 @@ def test_detokenizer_pieces_concatenate_to_the_decoding(worded, seed):
         i += n
     det = Detokenizer.of(tok)
     assert "".join(det.pieces(blocks)) == det.text == tok.decode(ids, skip_special_tokens=True)
+
+
+def _lone_bytes(tok) -> list[int]:
+    """SmolLM2's tokens that decode to U+FFFD alone (single bytes of multi-byte characters)."""
+    return [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"]
+
+
+def test_a_stream_of_undecodable_tokens_stays_linear_and_shows_its_text(worded):
+    """Tokens whose text keeps ending inside a character (SmolLM2 has hundreds that decode to U+FFFD alone)
+    used to make every token decode the whole tail again (2,000 of them: 0.99 s, nothing shown): the window
+    is now bounded, the text is shown as it goes, and the pieces still concatenate to the decoding."""
+    _, tok = worded
+    lone = _lone_bytes(tok)
+    assert len(lone) > 100
+    rng = random.Random(0)
+    per_token, shown = {}, {}
+    for n in (500, 2000):
+        ids = [rng.choice(lone) for _ in range(n)]
+        counting = CountingTokenizer(tok)
+        det = Detokenizer.of(counting)
+        pieces = [p for b in ids for p, _ in det.feed([b])]
+        shown[n] = len("".join(pieces))
+        assert "".join(pieces) + det.finish() == tok.decode(ids, skip_special_tokens=True)
+        per_token[n] = counting.decoded / n
+    assert per_token[2000] <= 1.2 * per_token[500] and per_token[2000] < 60, per_token
+    assert shown[2000] > 1500  # shown while streaming, not only at the end
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_detokenizer_with_partial_characters_concatenates_to_the_decoding(worded, seed):
+    """Random runs of ordinary tokens and of single bytes of multi-byte characters (the ones that complete
+    into characters and the ones that never do), fed in random blocks: the pieces and the rest are exactly
+    the decoding."""
+    _, tok = worded
+    rng = random.Random(seed)
+    lone = _lone_bytes(tok)
+    ids = []
+    while len(ids) < 200:
+        ids += [rng.choice(lone) for _ in range(rng.randint(0, 12))]
+        ids += [rng.randrange(len(tok)) for _ in range(rng.randint(0, 5))]
+        ids += tok("héllo → 世界 🦆")["input_ids"] if rng.random() < 0.3 else []
+    det = Detokenizer.of(tok)
+    out, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 6)
+        out += [p for p, _ in det.feed(ids[i:i + n])]
+        i += n
+    assert "".join(out) + det.finish() == tok.decode(ids, skip_special_tokens=True)

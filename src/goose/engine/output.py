@@ -124,6 +124,9 @@ class TokenBlock(list):
         return SOURCE_NAMES.get(self.sources[i], "bonus") if i < len(self.sources) else "bonus"
 
 
+MAX_PENDING = 8  # tokens a Detokenizer waits on while its text ends in U+FFFD (`Detokenizer._settle`)
+
+
 class Detokenizer:
     """Token ids in, text pieces out, at a cost per token that does not grow with the output.
 
@@ -197,9 +200,11 @@ class Detokenizer:
         final = False
         before = self.decode(self.ids[self._prefix:self._read])
         now = self.decode(self.ids[self._prefix:])
-        if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
-            self._text += now[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
+        if len(now) > len(before) and now.startswith(before):
+            if not now.endswith("\ufffd"):
+                self._commit(before, now, len(self.ids))
+            elif len(self.ids) - self._read > MAX_PENDING:
+                self._settle(before, now)
         text = self._text
         if self.stops:
             start = max(0, self._searched - self.longest + 1)
@@ -213,6 +218,24 @@ class Detokenizer:
             return ""
         piece, self.shown = text[len(self.shown):], text
         return piece
+
+    def _commit(self, before: str, text: str, end: int) -> None:
+        """`text` (the decoding of ids[_prefix:end]) is final: its part after `before` joins the text."""
+        self._text += text[len(before):]
+        self._prefix, self._read = self._read, end
+
+    def _settle(self, before: str, now: str) -> None:
+        """The text has ended in U+FFFD for over MAX_PENDING tokens: bytes that no later token can complete (a
+        character spans at most 4 bytes, so at most 4 tokens). Show the text up to a token boundary at least 3
+        tokens back (a character begun before it has had 4 tokens, so it is whole or never will be) whose
+        decoding the whole one begins with, and wait on the rest: the window decoded per token stays bounded
+        (it grew with every such token, quadratically, before)."""
+        n = len(self.ids)
+        for end in range(n - 3, max(self._read, n - MAX_PENDING), -1):
+            text = self.decode(self.ids[self._prefix:end])
+            if len(text) > len(before) and text.startswith(before) and now.startswith(text):
+                self._commit(before, text, end)
+                return
 
     def _holdback(self, text: str) -> int:
         """Length of the longest end of `text` that begins a stop string (each stop looks only at the end of

@@ -42,6 +42,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import cachefs
 from ..errors import GooseError
 
 POLICIES = ("consistent_hash", "cache_aware", "round_robin", "power_of_two", "random")
@@ -246,7 +247,7 @@ def cmd_replicas(args) -> int:
     reps = replica_commands(args.replicas, args.host, args.port, serve_args, args.memory_snapshot_dir,
                             args.threads, args.drain_timeout)
     if args.memory_snapshot_dir is not None:
-        Path(args.memory_snapshot_dir).mkdir(parents=True, exist_ok=True)
+        cachefs.private_dirs(Path(args.memory_snapshot_dir))  # (the snapshots hold the traffic: 0700)
     metrics_port = args.metrics_port or args.port + args.replicas + 1
     cmd = router_command(args.host, args.port, [r.url for r in reps], args.policy, metrics_port,
                          args.health_interval)
