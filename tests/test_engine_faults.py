@@ -268,3 +268,46 @@ def test_errors_are_typed(model32):
     with pytest.raises(EngineClosed):
         eng.submit([5, 6, 7], 4)
     assert issubclass(RequestFailed, GooseError) and issubclass(QueueFull, GooseError)
+
+
+@needs_kernel
+def test_a_request_failing_in_a_step_stores_no_prefix_of_its_own(model32, monkeypatch):
+    """A slot whose own stage failed in a step is over (`Slot.fail`: done) and its request is failed after the
+    step's prefix store, which used to store its prompt and output as a finished request's (entries of a
+    failed stage included); now nothing of it is stored."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(2, TINY_VOCAB) for _ in range(3 * BLOCK + 2)]
+    stored: list = []
+    with Engine(model32, None, "ar", max_batch=2, thread=False) as eng:
+        req = eng.submit(prompt, 8)
+        while req.slot.state != step_mod.DECODE:
+            eng.step()
+        monkeypatch.setattr(eng.prefixes, "store", lambda tokens, *a: stored.append(tokens))
+        req.slot.fail("verifying", MemoryError("injected"))  # as a stage of the step would
+        eng._store_prefixes([req])
+        assert stored == []
+        ok = eng.submit(prompt[:-1], 1)
+        while not ok.done:
+            eng.step()
+    assert stored and stored[0][: len(prompt) - 1] == prompt[:-1]  # (a finished request's are stored)
+
+
+@needs_kernel
+def test_failed_steps_in_a_row_are_counted_and_a_good_step_resets_them(model32, monkeypatch):
+    """Every step failing in its shared work fails its requests but not the engine: `failed_steps` counts
+    them in a row (a server's /health answers 503 from FAILED_STEPS on), and one good step resets it."""
+    from goose.server.app import FAILED_STEPS, Serving
+
+    with Engine(model32, None, "ar", max_batch=2) as eng:
+        real = step_mod.step
+        monkeypatch.setattr(scheduler, "step", lambda *a, **k: (_ for _ in ()).throw(MemoryError("shared")))
+        for i in range(FAILED_STEPS):
+            r = eng.submit([5, 6, 7], 4)
+            assert r.wait(TIMEOUT) and r.finish_reason == "error"
+        assert eng.failed_steps >= FAILED_STEPS and "shared" in eng.step_failure and eng.failure is None
+        serving = Serving(eng, "tiny")
+        health = serving.health()
+        assert health.status_code == 503 and b"steps all failed" in health.body
+        monkeypatch.setattr(scheduler, "step", real)
+        assert eng.generate([5, 6, 7], 4).token_ids == greedy_memo(model32, [5, 6, 7], 4)
+        assert eng.failed_steps == 0 and serving.health().status_code == 200

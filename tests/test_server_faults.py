@@ -592,3 +592,40 @@ def test_the_prefill_chunk_reaches_the_engine_and_must_be_positive(monkeypatch, 
         with pytest.raises(SystemExit) as info:
             main(["serve", "--prefill-chunk", value])
         assert info.value.code == 2 and "--prefill-chunk" in capsys.readouterr().err
+
+
+# ---- a forward with a static cache of a few slots (the GPU forward, run on the CPU) ---------------------
+
+def test_a_gpu_forward_server_queues_64_requests_past_its_slots_and_bounds_the_context(worded):
+    """The GPU forward's 8 cache slots used to be taken at submit: the 8th concurrent request got 400 and
+    max_batch / max_queue never acted; a request past the forward's entries got 500. Caches are now made at
+    admission (a request waits for a slot), and the engine's context limit is the forward's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from goose.backends.cuda import GPUForward
+    from goose.config import EngineConfig
+
+    model, tok = worded
+    fwd = GPUForward(model, device="cpu", mode="fp32", max_len=256, slots=8)
+    eng = Engine(model, tok, "pld", forward=fwd, engine_config=EngineConfig(max_batch=8, max_queue=64,
+                                                                             tree_room=32))
+    assert eng.limit == 256 - 32
+    prompts = [" ".join(random.Random(i).choice(["a", "b", "c", "d"]) for _ in range(8)) for i in range(64)]
+    try:
+        with live_server(eng) as base:
+            def one(p):
+                body = {"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0}
+                status, _, out = raw(base, "POST", "/v1/completions", body)
+                return status, json.loads(out)
+
+            with ThreadPoolExecutor(64) as pool:
+                answers = list(pool.map(one, prompts))
+            assert [s for s, _ in answers] == [200] * 64
+            for p, (_, out) in zip(prompts[:4], answers[:4]):
+                assert out["goose"]["completion_token_ids"] == greedy_completion(worded, p, 12)
+            long = {"model": "tiny", "prompt": "a " * 200, "max_tokens": 100, "temperature": 0}
+            status, _, err = raw(base, "POST", "/v1/completions", long)
+            assert status == 400 and json.loads(err)["error"]["code"] == "context_length_exceeded"
+        assert max(eng.batch_sizes) <= 7 and fwd.free_caches == 7  # (the forward's own cache holds one)
+    finally:
+        eng.close(timeout=10, cancel=True)

@@ -106,6 +106,18 @@ class Forward(Protocol):
         does not apply)."""
         return None
 
+    @property
+    def free_caches(self) -> int | None:
+        """How many more caches `new_cache` can make now (None: no bound; a forward with a static cache of a
+        fixed number of slots says how many are free). The engine admits no more requests than that."""
+        return None
+
+    @property
+    def max_entries(self) -> int | None:
+        """Entries one cache can hold (None: no bound but the model's): the engine's context limit is at most
+        this, less a step's tree room."""
+        return None
+
 
 class CostModel(Protocol):
     """Milliseconds of one forward over `sequences` sequences with `n` query tokens in all, whose cached

@@ -397,6 +397,14 @@ class GPUForward(Forward):
         return model is None or weights_fingerprint(model) != self.fingerprint
 
     # ---- caches ------------------------------------------------------------------------------------------------
+    @property
+    def free_caches(self) -> int:
+        return len(self._free)
+
+    @property
+    def max_entries(self) -> int:
+        return self.capacity
+
     def new_cache(self) -> "GPUCache":
         """A cache of its own for one sequence: a slot of the static cache, given back when the cache object goes."""
         if not self._free:

@@ -85,7 +85,8 @@ class PrefixCache:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block's entries (0 before the first store)."""
-        return 0 if self._pool is None else self._pool[0].numel() * self._pool.element_size()
+        pool = self._pool  # (read once: another thread may clear it meanwhile)
+        return 0 if pool is None else pool[0].numel() * pool.element_size()
 
     @property
     def bytes(self) -> int:

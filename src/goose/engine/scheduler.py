@@ -287,6 +287,12 @@ class Engine:
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.eos = eos_ids(model, tokenizer)
         self.limit = context_limit(model)
+        self.failed_steps = 0  # steps in a row whose shared work failed (every request in them failed)
+        self.step_failure: str | None = None  # why the last such step failed
+        room = self.forward.max_entries
+        if room is not None:  # a static cache bounds what a request may hold (with a step's tree beside it)
+            room = max(room - settings.tree_room, 1)
+            self.limit = room if self.limit is None else min(self.limit, room)
         self._templates: dict[str, Method] = {}
         self._tpl_lock = threading.Lock()  # preparing a method (maybe measuring a cost curve) takes seconds
         # the threads of the loop's forwards (one while that is faster: a contended CPU; `goose.engine.threads`)
@@ -359,7 +365,7 @@ class Engine:
         template = self._template("ar" if not speculative else method or self.default_method)
         rid = next(self._ids)
         req_box: list[Request] = []
-        slot = Slot(ids, cfg, template.fork(), self.forward.new_cache(), self.eos if eos is None else id_set(eos),
+        slot = Slot(ids, cfg, template.fork(), None, self.eos if eos is None else id_set(eos),
                     self.limit, chooser, stop=None if stop is None else _guarded(stop, req_box))
         decode = None if self.tokenizer is None else text_decoder(self.tokenizer)
         req = Request(rid, ids, slot, decode, on_tokens, str(tenant), bool(private_memory), bool(private))
@@ -639,14 +645,18 @@ class Engine:
         with self._cond:
             self._running = [r for r in self._running if not r.done]
             admitted = []
-            while self._waiting and len(self._running) < self.max_batch:
+            free = self.forward.free_caches  # (a static cache's free slots: a request waits for one)
+            while self._waiting and len(self._running) < self.max_batch and (free is None or len(admitted) < free):
                 self._running.append(self._waiting.popleft())
                 admitted.append(self._running[-1])
+            if free == 0 and not self._running and self._waiting:  # none will come back: held outside the engine
+                r = self._waiting.popleft()
+                r._finish("error", RequestFailed("every cache slot of the forward is held outside this engine"))
             running = list(self._running)
         reuse = self.prefixes.max_bytes > 0 and PrefixCache.supports(self.forward)
         for r in admitted:
             r.slot.method.memory = None if r.private_memory else self.memories.get(r.tenant)
-            self._guard(r, "starting the request (cache allocation)", r.slot.begin, self.settings.tree_room)
+            self._guard(r, "starting the request (cache allocation)", self._start, r)
         if reuse:
             self._share_prefixes([r for r in running if not r.done])
         for r in running:
@@ -658,10 +668,13 @@ class Engine:
                 one = self.governor is not None and self.governor.threads == 1 and self._cost_one is not None
                 step(self.forward, [r.slot for r in running], self._cost_one if one else self._cost,
                      self.prefill_chunk, self.settings, self.governor)
+                self.failed_steps = 0
             except Exception as exc:  # a failure of the step's shared work fails the requests in it
                 err = exc if isinstance(exc, GooseError) else RequestFailed(f"decoding failed: {exc!r}")
                 for r in running:
                     r._finish("error", err)
+                self.failed_steps += 1  # (in a row: a server's /health reports a loop that fails every step)
+                self.step_failure = f"{type(exc).__name__}: {exc}"[:500]
             self.steps += 1
             self.batch_sizes.append(len(running))
             self.batch_counts[min(len(running), self.max_batch)] += 1
@@ -689,6 +702,11 @@ class Engine:
             self._running = [r for r in self._running if not r.done]
         self.last_step_at = time.monotonic()
         return True
+
+    def _start(self, r: Request) -> None:
+        """An admitted request's KV cache (made now: a static cache's slot is held only while it runs) and start."""
+        r.slot.cache = self.forward.new_cache()
+        r.slot.begin(self.settings.tree_room)
 
     def _report_memory(self, now: float) -> None:
         """Publish the suffix memories' sizes (`memory_report`): one tuple, replaced whole, so a reader on another
@@ -729,7 +747,7 @@ class Engine:
         request's tenant's part). A failure fails that request and empties the cache (it may be half-written)."""
         for r in running:
             s = r.slot
-            if r.done or r.error is not None or r.private:  # failed or cancelled in this step, or private
+            if r.done or r.error is not None or s.error is not None or r.private:  # failed or cancelled, or private
                 continue
             if s.done:
                 tokens = s.prompt + s.out
@@ -766,10 +784,8 @@ class Engine:
         with self._cond:
             for r in self._running:
                 r._finish("error", RequestFailed("the model's weights changed while this request was decoded"))
-            if self._own_forward:
+            if self._own_forward:  # (the waiting requests' caches are made at admission, from the new forward)
                 self.forward = default_forward(self.model, self.arith)
-                for r in self._waiting:
-                    r.slot.cache = self.forward.new_cache()
             else:
                 for r in self._waiting:
                     r._finish("error", RequestFailed("the model's weights changed since the engine's forward packed "

@@ -51,7 +51,7 @@ class Slot:
     prompt: list[int]
     cfg: DecodeConfig
     method: object  # a Method instance of this request (see Method.fork)
-    cache: KVCache  # its own KV cache (forward.new_cache())
+    cache: KVCache | None  # its own KV cache (forward.new_cache(), made when the request is admitted)
     eos: set[int]
     limit: int | None  # the model's context
     chooser: Chooser | None = None

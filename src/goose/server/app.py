@@ -62,6 +62,7 @@ ARITH_GUARANTEES = {
 }
 MAX_STOPS = 4  # stop sequences per request (as OpenAI; each of at most MAX_STOP_BYTES bytes of UTF-8)
 MAX_JSON_DEPTH = 32  # nesting levels of a request body
+FAILED_STEPS = 3  # steps in a row whose shared work failed after which /health answers 503
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # Host names a loopback server answers by default
 
 
@@ -387,6 +388,9 @@ class Serving:
             why = f"the engine watcher failed ({self.watch_failure}); a failed engine would not be rebuilt"
         if why is None:
             why = self.stall()
+        if why is None and self.engine.failed_steps >= FAILED_STEPS:
+            why = (f"the engine's last {self.engine.failed_steps} steps all failed in their shared work (last: "
+                   f"{self.engine.step_failure}); every request in them failed")
         if why is not None:
             return JSONResponse({"status": "error", "reason": why, "model": self.model_name,
                                  "restarts": self.restarts}, 503)
