@@ -15,16 +15,19 @@ TIMEOUT = 60  # seconds any one test request may take
 
 @contextlib.contextmanager
 def live_server(engine, model_name: str = "tiny", **app_kw):
-    """Yields the server's base URL (``http://127.0.0.1:PORT``); stops the server (not the engine) on exit."""
+    """Yields the server's base URL (``http://127.0.0.1:PORT``); stops the server (not the engine) on exit. It
+    runs with goose serve's own uvicorn configuration (`server_config`: connection limit, header deadline)."""
     import uvicorn
 
     from goose.server.app import create_app
+    from goose.server.connections import ServeLimits, server_config
 
+    limits = app_kw.setdefault("limits", ServeLimits())
     app = create_app(engine, model_name, close_engine=False, **app_kw)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(server_config(app, limits, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="test-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

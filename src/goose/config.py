@@ -364,6 +364,9 @@ DEFAULT_MEMORY_MB = 64  # Engine / Decoder(memory_mb=...), goose serve --memory-
 # goose serve --stall-timeout: seconds without a finished step, while requests wait or run, after which /health
 # answers 503
 DEFAULT_STALL_S = 60.0
+LIMIT_CONNECTIONS = 512  # connections a server holds at once (`goose serve --limit-concurrency`)
+HEADER_TIMEOUT_S = 10.0  # seconds a server's client may take to send a request's headers (`--header-timeout`)
+BODY_TIMEOUT_S = 30.0  # seconds a server's client may take to send a request's body (`--body-timeout`)
 DEFAULT_SNAPSHOT_S = 300.0  # goose serve --snapshot-interval: seconds between memory snapshots (when they changed)
 DEFAULT_MAX_TENANTS = 10_000  # Engine(max_tenants=...), goose serve --max-tenants: per memory pool and prefix cache
 

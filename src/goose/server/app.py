@@ -44,6 +44,7 @@ from ..engine.methods import METHODS
 from ..engine.output import MAX_STOP_BYTES, Detokenizer, text_decoder
 from ..errors import EngineClosed, GooseError, MethodNotAllowed, QueueFull
 from ..machine import glibc
+from .connections import ServeLimits, server_config
 from .keys import ApiKeys, Key
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schema import ChatCompletionRequest, CompletionRequest
@@ -245,9 +246,12 @@ class Serving:
     def __init__(self, engine, model_name: str, *, api_key: str | None = None, api_keys: ApiKeys | None = None,
                  metrics_key: str | None = None, default_max_tokens: int = 512, restart=None,
                  max_restarts: int = 1, on_fatal=None, hide_sources: bool = False,
-                 stall_s: float = STALL_S) -> None:
+                 stall_s: float = STALL_S, limits: ServeLimits = ServeLimits()) -> None:
         if not stall_s > 0:
             raise GooseError(f"stall_s must be > 0 seconds, got {stall_s}")
+        self.limits = limits
+        self.max_pending = limits.max_pending or (engine.max_queue or 64) + engine.max_batch
+        self.pending = 0  # requests being parsed and tokenized now (on the event loop's count)
         self.engine, self.model_name = engine, model_name
         self.keys = all_keys(api_key, api_keys)  # None: /v1 is open
         self.metrics_key = metrics_key
@@ -411,8 +415,14 @@ class Serving:
 
     # ---- completions -----------------------------------------------------------------------------------
     async def parse(self, http: Request, cls):
-        """The request body as `cls` (OpenAI's error JSON for anything malformed)."""
-        obj = parse_json(await http.body())
+        """The request body as `cls` (OpenAI's error JSON for anything malformed; 408 when the body takes longer
+        than `limits.body_timeout_s` to arrive)."""
+        try:
+            raw = await asyncio.wait_for(http.body(), self.limits.body_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
+                                "(--body-timeout)", code="request_timeout") from None
+        obj = parse_json(raw)
         if not isinstance(obj, dict):
             raise ApiError(400, "the request body must be a JSON object")
         try:
@@ -529,6 +539,14 @@ class Serving:
             del info["accepted"], info["drafted"]
         return info
 
+    def admissible(self) -> None:
+        """429 before the body is read or parsed when the engine's queue is full (the engine refuses such a
+        request anyway: the work before it is not done for nothing)."""
+        engine = self.engine
+        if engine.max_queue is not None and engine.load()[1] >= engine.max_queue:
+            raise ApiError(429, f"the server is busy: the queue is full ({engine.max_queue} waiting requests); "
+                                "retry later", "rate_limit_error", "queue_full", headers={"Retry-After": "1"})
+
     @staticmethod
     def usage(req) -> dict:
         st = req.stats
@@ -544,10 +562,19 @@ class Serving:
         endpoint = "chat" if chat else "completions"
         metrics = self.metrics
         try:
+            self.admissible()
             body = await self.parse(http, cls)
-            ids, max_new = await asyncio.to_thread(self.prepare, body, chat)
-            sink: asyncio.Queue = asyncio.Queue()
-            req = await self.submit(http, body, ids, max_new, sink)
+            if self.pending >= self.max_pending:  # (parsing and tokenizing are bounded too, not only the queue)
+                raise ApiError(429, f"the server is busy: {self.pending} requests are being prepared "
+                                    f"(max_pending {self.max_pending}); retry later", "rate_limit_error",
+                               "queue_full", headers={"Retry-After": "1"})
+            self.pending += 1
+            try:
+                ids, max_new = await asyncio.to_thread(self.prepare, body, chat)
+                sink: asyncio.Queue = asyncio.Queue()
+                req = await self.submit(http, body, ids, max_new, sink)
+            finally:
+                self.pending -= 1
         except ApiError as exc:
             metrics.refused(endpoint, exc.status_code)
             raise
@@ -675,7 +702,7 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, api_keys:
                metrics_key: str | None = None, allowed_hosts=LOOPBACK_HOSTS, max_body_bytes: int = 1 << 20,
                default_max_tokens: int = 512, drain_timeout: float = 30.0, close_engine: bool = True,
                restart=None, max_restarts: int = 1, on_fatal=None, hide_sources: bool = False,
-               stall_s: float = STALL_S, snapshots=None) -> FastAPI:
+               stall_s: float = STALL_S, snapshots=None, limits: ServeLimits = ServeLimits()) -> FastAPI:
     """The FastAPI app serving `engine` as `model_name` (the state and handlers are a `Serving`, at
     ``app.state.serving``). `api_key`: bearer token /v1 requires (None: none), or `api_keys`: the tokens of a
     key file (`goose.server.keys`); `metrics_key`: bearer token /metrics requires (None: /metrics is open, or
@@ -687,10 +714,12 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, api_keys:
     and streams carry no draft sources (`sources` pieces, `accepted` / `drafted` counts); `stall_s`: /health
     answers 503 when requests wait or run and no step finished for this many seconds; `snapshots`: a
     `goose.server.snapshots.MemorySnapshots` (the suffix memories loaded at start-up, saved at its interval
-    and after shutdown) or None."""
+    and after shutdown) or None; `limits`: the body deadline and the requests prepared at once
+    (`goose.server.connections.ServeLimits`; its connection limit and header deadline are the uvicorn
+    configuration's: `server_config`)."""
     srv = Serving(engine, model_name, api_key=api_key, api_keys=api_keys, metrics_key=metrics_key,
                   default_max_tokens=default_max_tokens, restart=restart, max_restarts=max_restarts,
-                  on_fatal=on_fatal, hide_sources=hide_sources, stall_s=stall_s)
+                  on_fatal=on_fatal, hide_sources=hide_sources, stall_s=stall_s, limits=limits)
 
     srv.snapshots = snapshots
 
@@ -715,7 +744,8 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, api_keys:
                 await asyncio.to_thread(snapshots.save, srv.engine, True)
                 snapshots.release()
 
-    app = FastAPI(title="goose", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="goose", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # (served below, behind the API key)
     app.state.serving, app.state.metrics = srv, srv.metrics
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     if allowed_hosts is not None:
@@ -754,6 +784,10 @@ def create_app(engine, model_name: str, *, api_key: str | None = None, api_keys:
     async def prometheus(request: Request):
         srv.metrics_allowed(request)
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/openapi.json", dependencies=[Depends(authorized)], include_in_schema=False)
+    async def openapi():
+        return app.openapi()
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
@@ -815,7 +849,7 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
           weights: str | None = None, metrics_key: str | None = None, allowed_hosts=None, max_restarts: int = 1,
           arith: str = "exact", api_keys: ApiKeys | None = None, hide_sources: bool = False,
           stall_s: float = STALL_S, config=None, memory_snapshot: str | None = None,
-          snapshot_interval_s: float = DEFAULT_SNAPSHOT_S) -> int:
+          snapshot_interval_s: float = DEFAULT_SNAPSHOT_S, limits: ServeLimits = ServeLimits()) -> int:
     """Load `model`, start an Engine with `engine_config` (`SERVE_ENGINE`: the engine's defaults with a queue
     of 64) and the methods' `config` (a GooseConfig; None: the defaults) and serve it until SIGINT / SIGTERM
     (running requests get `drain_timeout` seconds to finish). A failed engine is rebuilt up to `max_restarts`
@@ -823,7 +857,8 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
     `allowed_hosts` None: the loopback names when `host` is a loopback address, else any host; `api_keys`,
     `hide_sources`, `stall_s`: as `create_app`'s. `memory_snapshot`: a file the suffix memories are loaded from
     at start-up and written to every `snapshot_interval_s` seconds (when they changed) and on shutdown
-    (`goose.server.snapshots`; None: none). Returns the exit status: 0, or 1 when the server stopped
+    (`goose.server.snapshots`; None: none). `limits`: connections, header and body deadlines, requests
+    prepared at once (`goose.server.connections.ServeLimits`). Returns the exit status: 0, or 1 when the server stopped
     because its engine failed (uvicorn itself exits with status 1 or 3 when it cannot start, e.g. on a taken
     port)."""
     import uvicorn
@@ -856,9 +891,9 @@ def serve(model: str, method: str = "goose", host: str = "127.0.0.1", port: int 
                      metrics_key=metrics_key, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes,
                      default_max_tokens=default_max_tokens, drain_timeout=drain_timeout, restart=build,
                      max_restarts=max_restarts, on_fatal=fatal, hide_sources=hide_sources, stall_s=stall_s,
-                     snapshots=snapshots)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=drain_timeout))
+                     snapshots=snapshots, limits=limits)
+    server = uvicorn.Server(server_config(app, limits, host=host, port=port, log_level=log_level,
+                                          timeout_graceful_shutdown=drain_timeout))
     server_box.append(server)
     logging.getLogger("uvicorn.access").addFilter(_quiet_health)  # routers ask every second or so
     server.run()

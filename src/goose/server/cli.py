@@ -15,10 +15,13 @@ from ..cliargs import (
     prefix_cache_mb,
 )
 from ..config import (
+    BODY_TIMEOUT_S,
     DEFAULT_MAX_TENANTS,
     DEFAULT_MEMORY_MB,
     DEFAULT_PREFIX_CACHE_MB,
     DEFAULT_SNAPSHOT_S,
+    HEADER_TIMEOUT_S,
+    LIMIT_CONNECTIONS,
     DecodeConfig,
     EngineConfig,
 )
@@ -39,7 +42,9 @@ def secret(flag: str | None, path: str | None, env: str, what: str) -> str | Non
     if flag is not None and path is not None:
         raise GooseError(f"give the {what} with its flag or its file, not both")
     if flag is not None:
-        return flag or None
+        if not flag.strip():  # (it used to turn authentication off silently, whatever the environment said)
+            raise GooseError(f"the {what} given is empty: give a key, or leave the flag out")
+        return flag
     if path is not None:
         try:
             with open(path, encoding="utf-8") as f:
@@ -98,6 +103,7 @@ def cmd_serve(args) -> int:
     import sys
 
     from .app import serve
+    from .connections import ServeLimits
 
     api_key, keys = api_keys(args)
     metrics_key = secret(args.metrics_key, args.metrics_key_file, "GOOSE_METRICS_KEY", "metrics key")
@@ -115,7 +121,8 @@ def cmd_serve(args) -> int:
                  weights=getattr(args, "weights", None), arith=cli_arith(args), metrics_key=metrics_key,
                  allowed_hosts=hosts, max_restarts=args.max_restarts, api_keys=keys,
                  hide_sources=args.hide_draft_sources, stall_s=args.stall_timeout, config=goose_config(args),
-                 memory_snapshot=args.memory_snapshot, snapshot_interval_s=args.snapshot_interval)
+                 memory_snapshot=args.memory_snapshot, snapshot_interval_s=args.snapshot_interval,
+                 limits=ServeLimits(args.limit_concurrency, args.header_timeout, args.body_timeout))
 
 
 def cmd_bench_serve(args) -> int:
@@ -183,6 +190,14 @@ def register(sub) -> None:
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM / Ctrl-C, seconds running requests get to finish (default 30)")
     s.add_argument("--max-body-kb", type=positive_int, default=1024, help="request body limit in KiB (default 1024)")
+    s.add_argument("--limit-concurrency", type=positive_int, default=LIMIT_CONNECTIONS,
+                   help="connections held at once, idle keep-alive ones included; one more is answered 503 and "
+                        f"closed (default {LIMIT_CONNECTIONS})")
+    s.add_argument("--header-timeout", type=_seconds, default=HEADER_TIMEOUT_S,
+                   help="seconds a connection may take to send a request's headers (from its start or its last "
+                        f"response); then 408 and closed (default {HEADER_TIMEOUT_S:g})")
+    s.add_argument("--body-timeout", type=_seconds, default=BODY_TIMEOUT_S,
+                   help=f"seconds a request's body may take to arrive; then 408 (default {BODY_TIMEOUT_S:g})")
     s.add_argument("--default-max-tokens", type=positive_int, default=512,
                    help="max_tokens of chat requests that give none (default 512)")
     s.set_defaults(func=cmd_serve)
