@@ -143,3 +143,24 @@ def test_hidden_draft_sources(worded):
                 assert ("accepted" in events[-1]["goose"]) is not hide
     finally:
         eng.close(timeout=10, cancel=True)
+
+
+@pytest.mark.parametrize("flag", ["", "  "])
+def test_an_empty_api_key_is_refused_even_with_the_environment_set(capsys, monkeypatch, flag):
+    """`--api-key ""` used to turn authentication off silently, even with GOOSE_API_KEY set."""
+    from goose.cli import main
+
+    monkeypatch.setenv("GOOSE_API_KEY", "from-the-environment")
+    assert main(["serve", "--model", "smollm2-135m", "--api-key", flag]) == 2
+    assert "API key given is empty" in capsys.readouterr().err
+
+
+def test_the_openapi_document_needs_the_api_key(worded):
+    from serving import raw
+
+    model, tok = worded
+    with Engine(model, tok, "ar", max_batch=1) as eng:
+        with live_server(eng, api_key="k1") as base:
+            assert raw(base, "GET", "/openapi.json")[0] == 401
+            status, _, body = raw(base, "GET", "/openapi.json", headers={"Authorization": "Bearer k1"})
+    assert status == 200 and "/v1/chat/completions" in json.loads(body)["paths"]
