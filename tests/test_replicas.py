@@ -202,3 +202,32 @@ def test_replica_commands_and_router_command():
     i = cmd.index("--worker-urls")
     assert cmd[i + 1 : i + 4] == [r.url for r in reps]
     assert cmd[cmd.index("--prometheus-host") + 1] == "127.0.0.1"  # the router's metrics stay on loopback
+
+
+def test_a_replica_unhealthy_for_long_is_stopped_and_started_again(tmp_path):
+    """`goose replicas` used to restart only replicas that exit: one whose /health stayed 503 (a stuck engine)
+    was left up for good. Now one unhealthy for `unhealthy_s` is stopped, then started again."""
+    import sys
+    import time
+
+    from goose.server.replicas import Replica, Replicas
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    rep = Replica(0, "http://127.0.0.1:1", sleeper, {})
+    answers = iter([True, False, False, False, False])
+    sup = Replicas([rep], [], startup_timeout=30, max_restarts=1, drain_timeout=0.1, unhealthy_s=0.3,
+                   is_healthy=lambda url: next(answers, False))
+    rep.start()
+    first = rep.proc
+    try:
+        sup.supervise_once()  # healthy
+        sup.supervise_once()  # unhealthy from now on
+        assert rep.alive() and rep.proc is first
+        time.sleep(0.4)
+        sup.supervise_once()  # unhealthy for longer than unhealthy_s: stopped, and started again
+        assert first.poll() is not None and rep.restarts == 1 and rep.alive() and rep.proc is not first
+    finally:
+        for p in (first, rep.proc):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()

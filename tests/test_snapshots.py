@@ -378,3 +378,19 @@ def test_a_late_restore_keeps_what_the_live_pool_learned_as_the_newest(model):
         got = eng.export_memories(timeout=30)
     as_bytes = [(n, [array("i", s).tobytes() for s in seqs]) for n, seqs in old]
     assert got == [as_bytes[0], ("live", as_bytes[1][1] + live[0][1])]
+
+
+def test_float32_and_bfloat16_replicas_share_a_snapshot(worded):
+    """A snapshot holds token ids: a bfloat16 copy of the same weights has the same identity (the output head's
+    digest compared exactly used to refuse it); another model's weights do not."""
+    import copy
+
+    import torch
+
+    from goose.server.snapshots import snapshot_identity
+
+    model, tok = worded
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    assert snapshot_identity(half, tok, 3) == snapshot_identity(model, tok, 3)
+    other = make_tiny_llama(torch.float32, vocab=len(tok), seed=99)
+    assert snapshot_identity(other, tok, 3) != snapshot_identity(model, tok, 3)

@@ -81,12 +81,14 @@ def feature_layers_fit(taps, layers: int) -> bool:
     return list(taps) == sorted(set(taps)) and (not taps or 0 <= taps[0] <= taps[-1] < layers - 1)
 
 
-def target_identity(model) -> dict:
+def target_identity(model, bf16: bool = False) -> dict:
     """What a head must match: the target's shape and a digest of its output head's values (a head trained
-    on another model of the same shape would be lossless but useless)."""
+    on another model of the same shape would be lossless but useless). `bf16`: the digest of the values rounded
+    to bfloat16, the same for a float32 model and its bfloat16 copy (what a token-id snapshot compares)."""
     c = model.config
     w = model.get_output_embeddings().weight
-    rows = w[:: max(1, w.shape[0] // 64)].detach().float()
+    rows = w[:: max(1, w.shape[0] // 64)].detach()
+    rows = (rows.to(torch.bfloat16) if bf16 else rows).float()
     return {"model_type": c.model_type, "hidden_size": c.hidden_size, "vocab_size": int(w.shape[0]),
             "num_hidden_layers": c.num_hidden_layers, "lm_head_digest": round(float(rows.abs().sum()), 2)}
 

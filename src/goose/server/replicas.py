@@ -47,6 +47,7 @@ from ..errors import GooseError
 
 POLICIES = ("consistent_hash", "cache_aware", "round_robin", "power_of_two", "random")
 MAX_REPLICAS = 64
+UNHEALTHY_S = 120.0  # seconds a replica's /health may stay non-200 before it is restarted (--unhealthy-timeout)
 # `goose serve` options `goose replicas` sets itself for each replica
 OWN_FLAGS = ("--host", "--port", "--memory-snapshot", "--drain-timeout")
 
@@ -59,9 +60,13 @@ class Replica:
     env: dict
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    started_at: float = 0.0
+    unhealthy_since: float | None = None  # when its /health last turned from 200 to anything else
+    was_healthy: bool = False  # its /health answered 200 since it (re)started
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, env=self.env)
+        self.started_at, self.unhealthy_since, self.was_healthy = time.monotonic(), None, False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -115,9 +120,12 @@ class Replicas:
     """Starts the replicas, waits until each is healthy, starts the router, supervises them all (`run`)."""
 
     def __init__(self, replicas: list[Replica], router_cmd: list[str], startup_timeout: float,
-                 max_restarts: int, drain_timeout: float) -> None:
+                 max_restarts: int, drain_timeout: float, unhealthy_s: float = UNHEALTHY_S,
+                 is_healthy=None) -> None:
         self.replicas, self.router_cmd = replicas, router_cmd
         self.startup_timeout, self.max_restarts, self.drain_timeout = startup_timeout, max_restarts, drain_timeout
+        self.unhealthy_s = unhealthy_s
+        self.is_healthy = healthy if is_healthy is None else is_healthy  # url -> bool (tests give their own)
         self.router: subprocess.Popen | None = None
         self._stop = False
 
@@ -151,6 +159,8 @@ class Replicas:
             print(f"goose replicas: the router exited with status {self.router.returncode}", file=sys.stderr)
             return False
         for r in self.replicas:
+            if r.alive():
+                self._watch_health(r)
             if r.proc is None or r.alive():
                 continue
             if r.restarts < self.max_restarts:
@@ -163,6 +173,29 @@ class Replicas:
                       "left down (the router routes around it)", file=sys.stderr)
                 r.proc = None
         return True
+
+    def _watch_health(self, r: Replica) -> None:
+        """Stop (SIGTERM, then SIGKILL after the drain) a running replica whose /health has not answered 200 for
+        `unhealthy_s` seconds (or that never did within `startup_timeout` of its start): an engine stuck or failing
+        every step stays up otherwise. Once it exits, `supervise_once` starts it again (within its budget)."""
+        now = time.monotonic()
+        if self.is_healthy(r.url):
+            r.unhealthy_since, r.was_healthy = None, True
+            return
+        if r.unhealthy_since is None:
+            r.unhealthy_since = now
+        limit, since = (self.unhealthy_s, r.unhealthy_since) if r.was_healthy else (self.startup_timeout,
+                                                                                     r.started_at)
+        if now - since <= limit:
+            return
+        print(f"goose replicas: replica {r.index} has not been healthy for {now - since:.0f} s; stopping it",
+              file=sys.stderr)
+        r.proc.send_signal(signal.SIGTERM)
+        try:
+            r.proc.wait(self.drain_timeout + 10)
+        except subprocess.TimeoutExpired:
+            r.proc.kill()
+            r.proc.wait()
 
     def stop(self) -> None:
         if self.router is not None and self.router.poll() is None:
@@ -231,6 +264,9 @@ def register(sub) -> None:
                    help="seconds the replicas may take to become healthy (default 600)")
     r.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds each replica may take to finish its requests on shutdown (default 30)")
+    r.add_argument("--unhealthy-timeout", type=float, default=UNHEALTHY_S,
+                   help="seconds a running replica's /health may answer anything but 200 (a stuck engine, steps "
+                        f"failing in a row) before it is stopped and started again (default {UNHEALTHY_S:g})")
     r.add_argument("serve_args", nargs=argparse.REMAINDER,
                    help="-- then goose serve's arguments, given to every replica (e.g. -- --arith int8 --max-batch 4)")
     r.set_defaults(func=cmd_replicas)
@@ -254,4 +290,5 @@ def cmd_replicas(args) -> int:
     print(f"goose replicas: {args.replicas} x goose serve ({', '.join(r.url for r in reps)}) behind vllm-router "
           f"on http://{args.host}:{args.port} (policy {args.policy}; router metrics on port {metrics_port})",
           file=sys.stderr)
-    return Replicas(reps, cmd, args.startup_timeout, args.max_restarts, args.drain_timeout).run()
+    return Replicas(reps, cmd, args.startup_timeout, args.max_restarts, args.drain_timeout,
+                    args.unhealthy_timeout).run()

@@ -31,9 +31,10 @@ log = logging.getLogger("goose.server")
 
 def snapshot_identity(model, tokenizer, min_match: int) -> dict:
     """What a snapshot must have been made with: the model (`target_identity`: shape and a digest of its output
-    head), the tokenizer (a digest of its vocabulary) and the memory's k-gram length."""
+    head rounded to bfloat16, so replicas of the same weights in float32 and bfloat16 share snapshots: the file
+    holds token ids), the tokenizer (a digest of its vocabulary) and the memory's k-gram length."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), separators=(",", ":")).encode("utf-8")
-    return {"model": target_identity(model), "tokenizer": hashlib.sha256(vocab).hexdigest()[:16],
+    return {"model": target_identity(model, bf16=True), "tokenizer": hashlib.sha256(vocab).hexdigest()[:16],
             "min_match": int(min_match)}
 
 
