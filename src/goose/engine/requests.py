@@ -149,21 +149,3 @@ def decode_config(options: dict) -> DecodeConfig:
         raise GooseError(f"unknown option(s) {', '.join(sorted(unknown))}; the options are the DecodeConfig "
                          f"fields: {', '.join(names)}")
     return DecodeConfig(**options)
-
-
-def text_pieces(blocks, decode):
-    """Text pieces for token blocks as they come: each piece is the new suffix of ``decode(all tokens so far)``;
-    a piece is held back while the text ends inside a multi-byte character. The pieces concatenate to the
-    decoded text of all tokens. Returns (as the generator's value) the tokens and that text."""
-    out: list[int] = []
-    shown = ""
-    for block in blocks:
-        out.extend(block)
-        text = decode(out)
-        if not text.endswith("\ufffd") and text.startswith(shown) and len(text) > len(shown):
-            yield text[len(shown):]
-            shown = text
-    text = decode(out)
-    if text != shown and text.startswith(shown):
-        yield text[len(shown):]
-    return out, text
