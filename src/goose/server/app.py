@@ -36,6 +36,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..config import DEFAULT_SNAPSHOT_S, EngineConfig, GooseConfig
 from ..config import DEFAULT_STALL_S as STALL_S
@@ -422,6 +423,9 @@ class Serving:
         except (asyncio.TimeoutError, TimeoutError):
             raise ApiError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
                                 "(--body-timeout)", code="request_timeout") from None
+        except ClientDisconnect:  # (the client went away while sending: nobody reads the answer)
+            raise ApiError(400, "the client disconnected before its request body arrived",
+                           code="client_disconnected") from None
         obj = parse_json(raw)
         if not isinstance(obj, dict):
             raise ApiError(400, "the request body must be a JSON object")
