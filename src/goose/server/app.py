@@ -354,7 +354,12 @@ class Serving:
         """Run the awaitable `work` as a task of the server's own (awaited by `settled`); its failure is logged."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background work of the server failed", exc_info=task.exception())
 
     async def settled(self) -> None:
         """Wait for the server's background work (`background`) to end."""
