@@ -244,7 +244,7 @@ def test_a_write_killed_at_any_point_leaves_the_old_snapshot_whole(tmp_path):
     for w, p in zip(wanted, pools):
         w.restore([(n, [memoryview(b).cast("i").tolist() for b in seqs]) for n, seqs in p])
     rng = random.Random(0)
-    for _ in range(20):
+    for _ in range(100):
         pid = os.fork()
         if pid == 0:  # the child writes snapshots until it is killed
             try:
