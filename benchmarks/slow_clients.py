@@ -28,7 +28,8 @@ PHASE_S = 300  # the most one phase may take
 def attacker(port: int, slowloris: int, slow_bodies: int, stop, report) -> None:
     """In its own process: hold slow connections until `stop` is set; report how each ended."""
 
-    async def loris(i: int, ends: dict) -> None:
+    async def slow(opening: bytes, drip: bytes, kind: str, ends: dict) -> None:
+        """Open a connection, send `opening`, then `drip` every second until the server answers or closes."""
         while not stop.is_set():
             try:
                 r, w = await asyncio.open_connection("127.0.0.1", port)
@@ -36,11 +37,11 @@ def attacker(port: int, slowloris: int, slow_bodies: int, stop, report) -> None:
                 ends["refused"] = ends.get("refused", 0) + 1
                 await asyncio.sleep(1)
                 continue
-            w.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            w.write(opening)
             how = "open at the end"
             try:
                 while not stop.is_set():
-                    w.write(b"X-a: b\r\n")
+                    w.write(drip)
                     await w.drain()
                     try:
                         data = await asyncio.wait_for(r.read(100), 1.0)
@@ -50,39 +51,17 @@ def attacker(port: int, slowloris: int, slow_bodies: int, stop, report) -> None:
                     break
             except OSError:
                 how = "closed"
-            ends[how] = ends.get(how, 0) + 1
+            ends[kind + how] = ends.get(kind + how, 0) + 1
             w.close()
 
-    async def body(i: int, ends: dict) -> None:
-        while not stop.is_set():
-            try:
-                r, w = await asyncio.open_connection("127.0.0.1", port)
-            except OSError:
-                ends["refused"] = ends.get("refused", 0) + 1
-                await asyncio.sleep(1)
-                continue
-            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: 100000\r\n\r\n{")
-            how = "open at the end"
-            try:
-                while not stop.is_set():
-                    w.write(b" ")
-                    await w.drain()
-                    try:
-                        data = await asyncio.wait_for(r.read(100), 1.0)
-                    except asyncio.TimeoutError:
-                        continue
-                    how = data.split(b"\r\n", 1)[0].decode(errors="replace")[9:12] or "closed"
-                    break
-            except OSError:
-                how = "closed"
-            ends["body " + how] = ends.get("body " + how, 0) + 1
-            w.close()
+    loris = (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n", b"X-a: b\r\n", "")
+    body = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\n\r\n{", b" ", "body ")
 
     async def main() -> None:
         ends: dict = {}
-        tasks = [asyncio.create_task(loris(i, ends)) for i in range(slowloris)]
-        tasks += [asyncio.create_task(body(i, ends)) for i in range(slow_bodies)]
+        tasks = [asyncio.create_task(slow(*loris, ends)) for _ in range(slowloris)]
+        tasks += [asyncio.create_task(slow(*body, ends)) for _ in range(slow_bodies)]
         while not stop.is_set():
             await asyncio.sleep(0.2)
         await asyncio.wait(tasks, timeout=5)
