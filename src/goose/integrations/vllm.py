@@ -35,7 +35,7 @@ requests). A mismatch can only cost acceptance, never correctness: vLLM verifies
 
 This module does not import vLLM; its logic is tested without vLLM
 (tests/test_integrations_vllm.py) and, from ``.venv-vllm`` (``make vllm``), inside vLLM on CPU
-(tests/test_vllm_real.py). Token Recycling successors are not drafted here: they are rarely accepted
+(tests_vllm/test_vllm_real.py). Token Recycling successors are not drafted here: they are rarely accepted
 in a chain (4-8% against 50-63% for spine tokens, measured) and vLLM gives a proposer no logits to
 harvest them from.
 """

@@ -38,7 +38,8 @@ class Method:
         """After the prefill: the request's committed tokens (prompt + first generated token) are `tokens`."""
 
     def prepare(self, model, forward, tokenizer=None) -> None:
-        """Called once by the Decoder with the model, its forward backend and tokenizer (or None)."""
+        """Called once by the Engine (a Decoder is one) with the model, its forward and tokenizer (or None), before
+        the method is forked for its first request."""
 
     def draft(self, anchor: int, prev: int | None) -> DraftTree:
         return DraftTree.root(anchor, route="ar")
