@@ -51,7 +51,7 @@ def write_snapshot(path: str | Path, identity: dict, tenants: list[tuple[str, li
     _check_folder(path)
     with cachefs.lock(path):
         if path.exists() or path.is_symlink():
-            check_safe(path)
+            _check_file(path)  # (its folder was checked above)
         tmp = cachefs.temp_path(path)
         try:
             with cachefs.open_new(tmp, 0o600) as f:
@@ -109,11 +109,15 @@ def check_safe(path: Path) -> None:
     """Refuse (one line) a snapshot that is a link, another user's or writable by group or others, and a
     folder holding it that is another user's or writable by others without the sticky bit (``/tmp`` is fine:
     nobody else can replace a file of ours there). OSError when `path` does not exist."""
+    _check_file(path)
+    _check_folder(path)
+
+
+def _check_file(path: Path) -> None:
     try:
         cachefs.refuse_unsafe(path)
     except cachefs.UnsafeCache as exc:
         raise _refused(path, exc.reason) from None
-    _check_folder(path)
 
 
 def _check_folder(path: Path) -> None:

@@ -60,8 +60,8 @@ class MemorySnapshots:
     # ---- the lifetime lock -------------------------------------------------------------------------------
     def acquire(self) -> bool:
         """Take the snapshot's lifetime lock (``PATH.owner``, an exclusive `flock` held until `release`) and
-        remove the temporaries an earlier writer of this path left; False (and no load or save by this server)
-        when another server holds it."""
+        remove the temporaries of writers that are gone (`cachefs.clean_stale`); False (and no load or save by
+        this server) when another server holds it."""
         lock = self.path.with_name(self.path.name + ".owner")
         try:
             cachefs.private_dirs(self.path.parent)
@@ -81,8 +81,7 @@ class MemorySnapshots:
             log.error("%s", self.status)
             return False
         self._lock_fd = fd
-        for stale in self.path.parent.glob(f".{self.path.name}{cachefs.TMP_TAG}*"):
-            stale.unlink(missing_ok=True)  # (no one else writes this path while the lock is held)
+        cachefs.clean_stale(self.path.parent)  # temporaries a writer that is gone left beside the file
         return True
 
     def release(self) -> None:
@@ -152,9 +151,7 @@ class MemorySnapshots:
             self._inflight = asyncio.ensure_future(asyncio.to_thread(self.save, engine_now()))
             try:
                 await asyncio.shield(self._inflight)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
+            except Exception as exc:  # (a cancellation is no Exception: it ends the loop)
                 self.status = f"saving the memory snapshot {self.path} failed: {type(exc).__name__}: {exc}"
                 log.error("%s", self.status)
 
